@@ -112,6 +112,19 @@ class Grid:
         groups = self.sharding_groups
         return [[groups[i][j] for i in range(self.num_groups)] for j in range(self.group_size)]
 
+    @property
+    def sharding_group_per_node(self) -> int:
+        """How many members of one sharding group share a node (TorchRec's `node_group_size`
+        and the planner's `local_world_size`). Unknown workers_per_node means one node."""
+        W, M, L = self.workers_per_node, self.num_groups, self.group_size
+        if W is None or W >= self.world_size:
+            return L
+        return max(1, W // M) if self.layout == "host-local" else min(L, W)
+
+    def local_rank(self, rank: int) -> int:
+        """The rank of global `rank` on its node (Ray Train numbers ranks contiguously per node)."""
+        return rank % (self.workers_per_node or self.world_size)
+
     def global_rank(self, sharding_group: int, shard_rank: int) -> int:
         """The global rank of shard `shard_rank` in sharding group `sharding_group`."""
         return self.sharding_groups[sharding_group][shard_rank]
