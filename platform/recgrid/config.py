@@ -1,0 +1,460 @@
+"""The job config: typed sections, a docstring per field, validated in one place.
+
+This module owns what a training job can be told (`JobConfig` and its six sections), how it
+is read (`load_config`: a YAML file plus `--set section.field=value` overrides, values parsed
+as YAML scalars) and the one validation pass (`JobConfig.validate`, run on construction), so
+a wrong value fails at start-up with a sentence that begins with the field's path, e.g.
+`optim.lr: must be > 0, got -0.1`.
+
+The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `run_name`) from the dataset spec
+and the grid, so changing `grid.num_groups` later never leaves a stale `c` behind.
+`to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
+
+Relative paths and globs in `data` are relative to the current directory (where `recgrid
+train` runs); globs with a URI scheme (`s3://...`) are left to Ray Data and not checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import inspect
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from recgrid.grid import Grid, GridError
+from recgrid.specs import DatasetSpec, SpecError, get_spec
+
+SHARDINGS: tuple[str, ...] = ("auto", "table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard")
+ARCHS: tuple[str, ...] = ("dlrm", "dcn")
+DENSE_OPTIMIZERS: tuple[str, ...] = ("adagrad", "adam", "sgd")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message starts with the field's path."""
+
+
+# ---- sections ---------------------------------------------------------------------------------
+@dataclass
+class GridConfig:
+    """How the T workers form the 2-D grid (DESIGN.md's vocabulary)."""
+
+    world_size: int = 4
+    """T: number of training workers (one per GPU, or per CPU slot in CPU mode)."""
+    num_groups: int = 1
+    """M: number of sharding groups, i.e. full model copies; must divide T. M = 1 is TorchRec's ordinary full model parallelism."""
+    sync_every: int = 1
+    """K: steps between two replica-group syncs of embedding weights and optimizer states (1 = every step)."""
+    layout: Literal["host-local", "inter-host"] = "host-local"
+    """Rank layout: "host-local" puts each replica group on one host (fast sync); "inter-host" spreads it over hosts (survives losing a host)."""
+    delayed_moment_sync: bool = False
+    """Sync optimizer states one sync interval behind the weights, as the TorchRec team reports works best."""
+
+    def __call__(self) -> Grid:
+        """`cfg.grid()`: the `recgrid.grid.Grid` of this section (same as `JobConfig.build_grid()`)."""
+        return Grid(world_size=self.world_size, num_groups=self.num_groups, layout=self.layout)
+
+
+@dataclass
+class ModelConfig:
+    """The DLRM-family model and how its embedding tables are sharded inside a sharding group."""
+
+    arch: Literal["dlrm", "dcn"] = "dlrm"
+    """Model: "dlrm" (dot interaction) or "dcn" (DLRM with a low-rank DCN-v2 cross interaction)."""
+    embedding_dim: int | None = None
+    """Embedding dimension of every table; null = the dataset spec's default."""
+    dense_arch: list[int] | None = None
+    """Layer sizes of the bottom (dense) MLP; must end in the embedding dimension. null = [64, embedding_dim]."""
+    over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
+    """Layer sizes of the top (over) MLP; must end in 1 (one logit)."""
+    dcn_num_layers: int = 3
+    """Cross layers of the DCN interaction (arch "dcn" only)."""
+    dcn_low_rank_dim: int = 16
+    """Rank of the low-rank cross layers (arch "dcn" only)."""
+    sharding: Literal["auto", "table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard"] = "auto"
+    """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table."""
+
+
+@dataclass
+class DataConfig:
+    """Where the Criteo-format rows come from and which dataset spec they follow."""
+
+    train: list[str] = field(default_factory=list)
+    """Required. Glob(s) of training files: raw Criteo TSV, .gz, or parquet. One string or a list."""
+    eval: list[str] = field(default_factory=list)
+    """Glob(s) of evaluation files; empty = no evaluation."""
+    spec: str = "tiny"
+    """Dataset spec: "tiny", "criteo_kaggle", "criteo_1tb" (suffix "+multihot" for MLPerf bag sizes) or a spec YAML path."""
+    max_rows_per_table: int | None = None
+    """Cap every embedding table at this many rows (the categorical modulus); null = the spec's rows."""
+    multi_hot: bool = False
+    """Use the MLPerf synthetic multi-hot bag sizes instead of one id per feature."""
+    synth_if_missing: bool = False
+    """If the globs match no file, generate synthetic Criteo-format data with a planted signal there (the launcher does it)."""
+    synth_rows: int = 100_000
+    """Training rows to generate when synth_if_missing applies."""
+    synth_eval_rows: int = 20_000
+    """Evaluation rows to generate when synth_if_missing applies."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop and the Ray workers that run it."""
+
+    max_steps: int = 200
+    """Training steps (every worker takes one step per global step)."""
+    batch_size: int = 256
+    """Rows per worker per step; the global batch is batch_size * T."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 = only at the end."""
+    log_every: int = 10
+    """Reduce metrics over all workers and log them to MLflow every this many steps."""
+    seed: int = 0
+    """Seed for model initialisation and data order."""
+    use_gpu: bool = False
+    """One GPU per worker and NCCL; false = CPU workers and gloo."""
+    cpus_per_worker: float = 0.5
+    """CPUs Ray reserves per worker; fractional so T=4 workers fit a 2-core machine."""
+    max_failures: int = 0
+    """Worker failures the job survives (Ray Train's FailureConfig); 0 = fail on the first."""
+
+
+@dataclass
+class OptimConfig:
+    """The embedding optimizer (moment-scaled row-wise AdaGrad) and the dense optimizer."""
+
+    lr: float = 0.05
+    """Learning rate of the embedding tables (fused row-wise AdaGrad)."""
+    eps: float = 1e-8
+    """AdaGrad epsilon: w -= lr * g / (sqrt(v / c) + eps)."""
+    moment_scale: float | None = None
+    """c, the moment scale of row-wise AdaGrad; null = M (the group count)."""
+    dense_optimizer: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    """Optimizer of the dense (data-parallel) part."""
+    dense_lr: float = 0.01
+    """Learning rate of the dense part."""
+
+
+@dataclass
+class TrackingConfig:
+    """Where the job's MLflow run goes."""
+
+    experiment: str = "recgrid"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null = "T<T>-M<M>-K<K>"."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; null = $MLFLOW_TRACKING_URI if set, else sqlite:///<repo>/runs/mlflow.db."""
+
+
+SECTIONS: dict[str, type] = {
+    "grid": GridConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "tracking": TrackingConfig,
+}
+
+
+# ---- the job ----------------------------------------------------------------------------------
+@dataclass
+class JobConfig:
+    """One training job. Constructing it validates it (raises `ConfigError`)."""
+
+    grid: GridConfig = field(default_factory=GridConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation: the one place ----------------------------------------------------------------
+    def validate(self) -> None:
+        """Check types and values of every field; raise `ConfigError` naming the first bad field."""
+        for name, cls in SECTIONS.items():
+            section = getattr(self, name)
+            if not isinstance(section, cls):
+                raise ConfigError(f"{name}: must be a {cls.__name__}, got {type(section).__name__}")
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                setattr(section, f.name, _coerce(f"{name}.{f.name}", getattr(section, f.name), hints[f.name]))
+
+        g, m, d, t, o = self.grid, self.model, self.data, self.train, self.optim
+        _at_least("grid.world_size", g.world_size, 1)
+        _at_least("grid.num_groups", g.num_groups, 1)
+        if g.world_size % g.num_groups:
+            valid = [x for x in range(1, g.world_size + 1) if g.world_size % x == 0]
+            raise ConfigError(
+                f"grid.num_groups: M={g.num_groups} must divide grid.world_size T={g.world_size}; "
+                f"valid values for T={g.world_size}: {valid}"
+            )
+        _at_least("grid.sync_every", g.sync_every, 1)
+        try:
+            self.build_grid()
+        except GridError as e:
+            raise ConfigError(f"grid: {e}") from None
+
+        if d.max_rows_per_table is not None:
+            _at_least("data.max_rows_per_table", d.max_rows_per_table, 1)
+        spec = self.dataset_spec()
+        if m.embedding_dim is not None:
+            _at_least("model.embedding_dim", m.embedding_dim, 1)
+        for path, arch in (("model.dense_arch", m.dense_arch or []), ("model.over_arch", m.over_arch)):
+            for i, size in enumerate(arch):
+                _at_least(f"{path}[{i}]", size, 1)
+        if m.dense_arch is not None:
+            if not m.dense_arch or m.dense_arch[-1] != self.embedding_dim:
+                raise ConfigError(
+                    f"model.dense_arch: must end in the embedding dimension {self.embedding_dim} "
+                    f"(model.embedding_dim, or spec {spec.name!r}'s default), got {m.dense_arch}"
+                )
+        if not m.over_arch or m.over_arch[-1] != 1:
+            raise ConfigError(f"model.over_arch: must end in 1 (one logit per row), got {m.over_arch}")
+        _at_least("model.dcn_num_layers", m.dcn_num_layers, 1)
+        _at_least("model.dcn_low_rank_dim", m.dcn_low_rank_dim, 1)
+
+        if not d.train:
+            raise ConfigError("data.train: required: one or more globs of Criteo TSV, .gz or parquet files")
+        for path, patterns in (("data.train", d.train), ("data.eval", d.eval)):
+            for pattern in patterns:
+                if not pattern.strip():
+                    raise ConfigError(f"{path}: empty glob in {patterns}")
+                if not d.synth_if_missing and not _matches(pattern):
+                    raise ConfigError(
+                        f"{path}: no file matches {pattern!r} (relative to {os.getcwd()}); "
+                        f"fix the glob, or set data.synth_if_missing: true to generate synthetic data there"
+                    )
+        _at_least("data.synth_rows", d.synth_rows, 1)
+        _at_least("data.synth_eval_rows", d.synth_eval_rows, 1)
+
+        _at_least("train.max_steps", t.max_steps, 1)
+        _at_least("train.batch_size", t.batch_size, 1)
+        _at_least("train.eval_every", t.eval_every, 0)
+        _at_least("train.log_every", t.log_every, 1)
+        _positive("train.cpus_per_worker", t.cpus_per_worker)
+        _at_least("train.max_failures", t.max_failures, 0)
+
+        _positive("optim.lr", o.lr)
+        _positive("optim.eps", o.eps)
+        if o.moment_scale is not None:
+            _positive("optim.moment_scale", o.moment_scale)
+        _positive("optim.dense_lr", o.dense_lr)
+        if not self.tracking.experiment.strip():
+            raise ConfigError("tracking.experiment: must not be empty")
+
+    # ---- derived values -------------------------------------------------------------------------
+    def build_grid(self) -> Grid:
+        """The `recgrid.grid.Grid` of this job (also reachable as `cfg.grid()`)."""
+        return self.grid()
+
+    def dataset_spec(self) -> DatasetSpec:
+        """The dataset spec named by `data.spec`, with `data.max_rows_per_table` and `data.multi_hot` applied."""
+        try:
+            return get_spec(self.data.spec, self.data.max_rows_per_table, self.data.multi_hot or None)
+        except SpecError as e:
+            raise ConfigError(f"data.spec: {e}") from None
+
+    @property
+    def embedding_dim(self) -> int:
+        """`model.embedding_dim`, or the dataset spec's default."""
+        return self.model.embedding_dim or self.dataset_spec().embedding_dim
+
+    @property
+    def dense_arch(self) -> list[int]:
+        """`model.dense_arch`, or [64, embedding_dim]."""
+        return list(self.model.dense_arch) if self.model.dense_arch is not None else [64, self.embedding_dim]
+
+    @property
+    def moment_scale(self) -> float:
+        """c: `optim.moment_scale`, or M."""
+        c = self.optim.moment_scale
+        return float(self.grid.num_groups) if c is None else float(c)
+
+    @property
+    def run_name(self) -> str:
+        """`tracking.run_name`, or "T<T>-M<M>-K<K>"."""
+        g = self.grid
+        return self.tracking.run_name or f"T{g.world_size}-M{g.num_groups}-K{g.sync_every}"
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config as written (nulls kept), nested: `{"grid": {"world_size": 4, ...}, ...}`."""
+        return dataclasses.asdict(self)
+
+    def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
+        """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
+        derived value (embedding_dim, dense_arch, moment_scale, run_name) carry it."""
+        flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
+        if resolved:
+            flat.update({
+                "model.embedding_dim": self.embedding_dim,
+                "model.dense_arch": self.dense_arch,
+                "optim.moment_scale": self.moment_scale,
+                "tracking.run_name": self.run_name,
+            })
+        return flat
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> "JobConfig":
+        """Build and validate from `{"section": {"field": value}}`; unknown keys are errors
+        (naming `source`, e.g. the YAML file, when given)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source or 'config'}: must be a mapping of sections {list(SECTIONS)}, got {type(raw).__name__}")
+        _check_keys(raw, source)
+        sections = {name: SECTIONS[name](**(values or {})) for name, values in raw.items()}
+        return cls(**sections)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a job YAML (or start from defaults when `path` is None), apply `section.field=value`
+    overrides in order, validate, and return the `JobConfig`."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    source = None
+    if path is not None:
+        source = str(path)
+        if not Path(path).is_file():
+            raise ConfigError(f"{source}: config file does not exist")
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: must be a mapping of sections {list(SECTIONS)}, got {type(loaded).__name__}")
+        raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
+        _check_keys(raw, source)  # before overrides, so the error names the file
+
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item}: expected SECTION.FIELD=VALUE, e.g. grid.num_groups=2")
+        section, dot, name = key.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"{key}: unknown section in --set; valid sections: {', '.join(SECTIONS)}")
+        valid = _field_names(SECTIONS[section])
+        if not dot or name not in valid:
+            raise ConfigError(f"{key}: unknown key in --set; valid keys in {section}: {', '.join(valid)}")
+        raw.setdefault(section, None)
+        raw[section] = {**(raw[section] or {}), name: _parse_scalar(text)}
+    return JobConfig.from_dict(raw, source=source)
+
+
+def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
+    """Fail on an unknown section or key, or a section that is not a mapping."""
+    where = f" in {source}" if source else ""
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{name}: unknown section{where}; valid sections: {', '.join(SECTIONS)}")
+        if values is not None and not isinstance(values, Mapping):
+            raise ConfigError(f"{name}: must be a mapping of fields{where}, got {values!r}")
+        valid = _field_names(SECTIONS[name])
+        for key in values or {}:
+            if key not in valid:
+                raise ConfigError(f"{name}.{key}: unknown key{where}; valid keys in {name}: {', '.join(valid)}")
+
+
+def _parse_scalar(text: str) -> Any:
+    """A `--set` value as YAML reads it (`2` → 2, `true` → True, `null` → None, `[a, b]` → list);
+    text YAML cannot parse (e.g. a glob starting with `*`) stays a string."""
+    import yaml
+
+    text = text.strip()
+    try:
+        return yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        return text
+
+
+def field_docs() -> dict[str, str]:
+    """`{"grid.world_size": "T: number of training workers ...", ...}`: each field's docstring,
+    read from this module's source (for the README and `--help`-style listings)."""
+    tree = ast.parse(inspect.getsource(inspect.getmodule(JobConfig)))  # type: ignore[arg-type]
+    classes = {c.__name__: s for s, c in SECTIONS.items()}
+    docs: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)):
+                    docs[f"{classes[node.name]}.{a.target.id}"] = str(b.value.value).strip()
+    return docs
+
+
+# ---- field checks -------------------------------------------------------------------------------
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """`value` as type `tp` (the field's annotation), or a ConfigError naming `path`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(path, value, inner)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        (elem,) = args
+        if isinstance(value, str) and elem is str:
+            value = [value]  # one glob may be given as a plain string
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: must be a list, got {value!r}")
+        return [_coerce(f"{path}[{i}]", v, elem) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # PyYAML reads `1e-3` (no dot) as a string; accept numeric text for float fields
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. `--set tracking.run_name=2024`
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported field type {tp!r}")  # a bug in this module, not in the config
+
+
+def _at_least(path: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{path}: must be >= {low}, got {value}")
+
+
+def _positive(path: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{path}: must be > 0, got {value}")
+
+
+def _matches(pattern: str) -> bool:
+    if "://" in pattern:
+        return True  # remote storage: Ray Data reads and checks it
+    return bool(glob.glob(os.path.expanduser(pattern), recursive=True))

@@ -1,0 +1,143 @@
+"""The job config: defaults, YAML + --set overrides, and failures that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from recgrid.config import (
+    ARCHS,
+    DENSE_OPTIMIZERS,
+    SECTIONS,
+    SHARDINGS,
+    ConfigError,
+    field_docs,
+    load_config,
+)
+from recgrid.grid import LAYOUTS, Grid
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """A working directory with two train shards and one eval shard."""
+    (tmp_path / "data").mkdir()
+    for name in ("train-0.tsv", "train-1.tsv", "eval-0.tsv"):
+        (tmp_path / "data" / name).write_text("0\t1\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_load(data_dir) -> None:
+    cfg = load_config(_yaml(data_dir, "data:\n  train: data/train-*.tsv\n"))
+    assert cfg.data.train == ["data/train-*.tsv"] and cfg.data.eval == []
+    assert (cfg.grid.world_size, cfg.grid.num_groups, cfg.grid.sync_every) == (4, 1, 1)
+    assert cfg.grid.layout == "host-local" and not cfg.grid.delayed_moment_sync
+    assert cfg.train.cpus_per_worker == 0.5 and cfg.optim.moment_scale is None
+    # nulls resolve from the spec and the grid
+    assert cfg.embedding_dim == 16 and cfg.dense_arch == [64, 16] and cfg.moment_scale == 1.0
+    assert cfg.run_name == "T4-M1-K1"
+    assert cfg.build_grid() == cfg.grid() == Grid(4, 1, "host-local")
+    assert load_config(None, ["data.train=data/train-0.tsv"]).to_dict() == load_config(
+        _yaml(data_dir, "data: {train: [data/train-0.tsv]}")).to_dict()
+
+
+def test_overrides(data_dir) -> None:
+    cfg = load_config(_yaml(data_dir, "grid: {world_size: 2}\ndata: {train: nothing/*.tsv, synth_if_missing: true}\n"), [
+        "grid.world_size=8",
+        "grid.num_groups=4",
+        "grid.sync_every=5",
+        "grid.layout=inter-host",
+        "data.train=[data/train-0.tsv, data/train-1.tsv]",
+        "data.eval=data/eval-*.tsv",
+        "data.spec=criteo_kaggle",
+        "data.max_rows_per_table=1000",
+        "train.max_steps=30",
+        "train.batch_size=128",
+        "optim.moment_scale=2.5",
+        "optim.lr=1e-3",  # YAML 1.1 reads this as a string; float fields accept it
+        "tracking.run_name=2024",
+    ])
+    assert (cfg.grid.world_size, cfg.grid.num_groups, cfg.grid.sync_every, cfg.grid.layout) == (8, 4, 5, "inter-host")
+    assert cfg.build_grid().replica_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert cfg.data.train == ["data/train-0.tsv", "data/train-1.tsv"] and cfg.data.eval == ["data/eval-*.tsv"]
+    assert cfg.dataset_spec().name == "criteo_kaggle" and max(cfg.dataset_spec().table_rows) == 1000
+    assert (cfg.train.max_steps, cfg.train.batch_size) == (30, 128)
+    assert cfg.moment_scale == 2.5 and cfg.optim.lr == 0.001 and cfg.run_name == "2024"
+    flat = cfg.to_flat_dict()
+    assert flat["grid.num_groups"] == 4 and flat["optim.moment_scale"] == 2.5 and flat["model.embedding_dim"] == 16
+    assert flat["data.train"] == ["data/train-0.tsv", "data/train-1.tsv"]
+    assert load_config(None, ["data.train=data/*.tsv", "grid.num_groups=2"]).to_flat_dict()["optim.moment_scale"] == 2.0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["grid.world_size=6", "grid.num_groups=4"], r"^grid\.num_groups: M=4 must divide grid\.world_size T=6; valid values for T=6: \[1, 2, 3, 6\]"),
+    (["data.train=missing/*.parquet"], r"^data\.train: no file matches 'missing/\*\.parquet'"),
+    (["data.eval=[data/eval-0.tsv, nope.tsv]"], r"^data\.eval: no file matches 'nope\.tsv'"),
+    (["optim.lr=-0.1"], r"^optim\.lr: must be > 0, got -0\.1$"),
+    (["optim.nope=1"], r"^optim\.nope: unknown key in --set; valid keys in optim: lr, eps, moment_scale"),
+    (["optimizer.lr=1"], r"^optimizer\.lr: unknown section"),
+    (["train.max_steps=abc"], r"^train\.max_steps: must be an integer, got 'abc'$"),
+    (["train.batch_size=2.5"], r"^train\.batch_size: must be an integer, got 2\.5$"),
+    (["train.use_gpu=maybe"], r"^train\.use_gpu: must be true or false"),
+    (["grid.layout=diagonal"], r"^grid\.layout: must be one of \['host-local', 'inter-host'\], got 'diagonal'"),
+    (["grid.sync_every=0"], r"^grid\.sync_every: must be >= 1, got 0$"),
+    (["data.max_rows_per_table=0"], r"^data\.max_rows_per_table: must be >= 1, got 0$"),
+    (["data.spec=criteo_2tb"], r"^data\.spec: unknown dataset spec 'criteo_2tb'"),
+    (["model.dense_arch=[64, 32]"], r"^model\.dense_arch: must end in the embedding dimension 16"),
+    (["model.over_arch=[64, 2]"], r"^model\.over_arch: must end in 1"),
+    (["optim.moment_scale=0"], r"^optim\.moment_scale: must be > 0"),
+    (["train.cpus_per_worker=0"], r"^train\.cpus_per_worker: must be > 0"),
+    (["grid.num_groups"], r"^--set grid\.num_groups: expected SECTION\.FIELD=VALUE"),
+])
+def test_bad_values_fail_naming_the_field(data_dir, overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["data.train=data/train-*.tsv", *overrides])
+
+
+def test_missing_glob_is_fine_when_synthesising(data_dir) -> None:
+    cfg = load_config(None, ["data.train=missing/*.tsv", "data.eval=missing-eval/*.tsv", "data.synth_if_missing=true"])
+    assert cfg.data.synth_if_missing and cfg.data.train == ["missing/*.tsv"]
+    assert load_config(None, ["data.train=s3://bucket/criteo/*.parquet"]).data.train == ["s3://bucket/criteo/*.parquet"]
+
+
+def test_yaml_errors_name_the_file_and_key(data_dir) -> None:
+    path = _yaml(data_dir, "data: {train: data/train-*.tsv}\nmodel:\n  arch: dcn\n  embeding_dim: 8\n")
+    with pytest.raises(ConfigError, match=rf"^model\.embeding_dim: unknown key in {path}; valid keys in model: arch, embedding_dim"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^trainer: unknown section in .*job\.yaml; valid sections: grid, model"):
+        load_config(_yaml(data_dir, "trainer: {max_steps: 3}\n"))
+    with pytest.raises(ConfigError, match=r"^data\.train: required"):
+        load_config(_yaml(data_dir, "grid: {world_size: 2}\n"))
+    with pytest.raises(ConfigError, match=r"^grid: must be a mapping of fields in .*job\.yaml"):
+        load_config(_yaml(data_dir, "grid: 4\n"))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(data_dir / "nope.yaml")
+
+
+def test_construction_validates(data_dir) -> None:
+    cfg = load_config(None, ["data.train=data/*.tsv"])
+    with pytest.raises(ConfigError, match=r"^grid\.num_groups: M=3 must divide"):
+        dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid, num_groups=3))
+    cfg.optim.lr = -1.0  # a mutated config is caught by validate()
+    with pytest.raises(ConfigError, match=r"^optim\.lr: must be > 0, got -1\.0$"):
+        cfg.validate()
+
+
+def test_every_field_is_documented_and_choices_agree() -> None:
+    docs = field_docs()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert docs.get(f"{section}.{f.name}"), f"{section}.{f.name} has no docstring"
+    hints = {s: typing.get_type_hints(c) for s, c in SECTIONS.items()}
+    assert typing.get_args(hints["grid"]["layout"]) == LAYOUTS
+    assert typing.get_args(hints["model"]["sharding"]) == SHARDINGS
+    assert typing.get_args(hints["model"]["arch"]) == ARCHS
+    assert typing.get_args(hints["optim"]["dense_optimizer"]) == DENSE_OPTIMIZERS

@@ -1,0 +1,110 @@
+"""Tracking against a real SQLite MLflow store in tmp_path: params, metric series, FAILED runs."""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recgrid.tracking import (
+    MAX_PARAM_VAL_LENGTH,
+    Tracker,
+    default_tracking_uri,
+    flatten_params,
+    resolve_tracking_uri,
+)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    # one database for the module: creating a SQLite store runs MLflow's migrations (seconds)
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'sub' / 'mlflow.db'}"
+
+
+def test_flatten_params() -> None:
+    flat = flatten_params({"grid": {"world_size": 4, "layout": "host-local"}, "model": {"dense_arch": [64, 16]},
+                           "x": None, "long": "a" * 10_000})
+    assert flat["grid.world_size"] == "4" and flat["grid.layout"] == "host-local"
+    assert flat["model.dense_arch"] == "[64, 16]" and flat["x"] == "None"
+    assert len(flat["long"]) == MAX_PARAM_VAL_LENGTH and flat["long"].endswith("[truncated]")
+
+
+def test_run_params_metrics_and_finish(store: str) -> None:
+    tracker = Tracker(experiment="t-finish", tracking_uri=store)
+    params = {"grid": {"world_size": 4, "num_groups": 2}, "optim": {"lr": 0.01}, "sharding": {"t_C1": "table_wise"}}
+    with tracker.start("T4-M2-K1", params=params, tags={"layout": "host-local"}):
+        versions = tracker.log_stack_versions()
+        for step in (1, 2, 3):
+            tracker.log_metrics({"train/loss": 1.0 / step, "train/qps": 100.0 * step, "eval/auc": math.nan}, step=step)
+        tracker.log_params({"grid": {"world_size": 4}})  # same value again: fine
+        with pytest.raises(ValueError, match="grid.world_size"):
+            tracker.log_params({"grid.world_size": 8})
+
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "T4-M2-K1"
+    assert run.data.params["grid.world_size"] == "4" and run.data.params["grid.num_groups"] == "2"
+    assert run.data.params["optim.lr"] == "0.01" and run.data.params["sharding.t_C1"] == "table_wise"
+    assert run.data.params["versions.torch"] == versions["torch"] != "not installed"
+    assert run.data.tags["layout"] == "host-local"
+    loss = client.get_metric_history(tracker.run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(loss, key=lambda m: m.step)] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+    assert len(client.get_metric_history(tracker.run_id, "train/qps")) == 3
+    assert math.isnan(client.get_metric_history(tracker.run_id, "eval/auc")[0].value)
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.name == "t-finish" and exp.artifact_location.endswith("/sub/mlartifacts")
+
+
+def test_exception_marks_run_failed_with_error(store: str) -> None:
+    tracker = Tracker(experiment="t-fail", tracking_uri=store)
+    with pytest.raises(RuntimeError, match="worker 3 died"):
+        with tracker.start("boom", params={"a": 1}):
+            tracker.log_metrics({"train/loss": 0.7}, step=1)
+            raise RuntimeError("worker 3 died")
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == "RuntimeError: worker 3 died"
+    text = client.download_artifacts(tracker.run_id, "error.txt")
+    with open(text) as f:
+        assert "Traceback" in f.read()
+
+
+def test_fail_with_message_and_no_run(store: str) -> None:
+    Tracker(tracking_uri=store).fail("never started")  # no run: nothing to mark, no error
+    tracker = Tracker(experiment="t-fail", tracking_uri=store).start("bad-config")
+    tracker.fail("optim.lr: must be > 0, got -0.1")
+    tracker.finish()  # already ended: stays FAILED
+    run = MlflowClient(tracking_uri=store).get_run(tracker.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith("optim.lr:")
+
+
+def test_attach_logs_into_the_same_run(store: str) -> None:
+    driver = Tracker(experiment="t-attach", tracking_uri=store).start("x", params={"grid": {"num_groups": 2}})
+    rank0 = Tracker.attach(driver.run_id, tracking_uri=store)
+    rank0.log_metrics({"eval/ne": 0.8}, step=5)
+    rank0.log_params({"grid.num_groups": 2})  # known already: no conflict
+    driver.finish()
+    client = MlflowClient(tracking_uri=store)
+    assert client.get_metric_history(driver.run_id, "eval/ne")[0].value == 0.8
+    assert client.get_run(driver.run_id).info.status == "FINISHED"
+
+
+def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri() == default_tracking_uri()
+    assert default_tracking_uri().startswith("sqlite:////") and default_tracking_uri().endswith("/runs/mlflow.db")
+
+    env_uri = f"sqlite:///{tmp_path / 'env' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
+    tracker = Tracker(experiment="t-env")
+    assert tracker.tracking_uri == env_uri
+    tracker.start("from-env").finish()
+    assert (tmp_path / "env" / "mlflow.db").is_file()
+    assert MlflowClient(tracking_uri=env_uri).get_run(tracker.run_id).info.status == "FINISHED"
+    assert Tracker(tracking_uri="sqlite:///elsewhere.db").tracking_uri == "sqlite:///elsewhere.db"  # explicit wins
+
+    cmd = shlex.split(tracker.ui_command())
+    assert cmd[0].endswith("mlflow") and cmd[1:] == ["ui", "--backend-store-uri", env_uri]
