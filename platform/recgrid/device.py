@@ -39,15 +39,6 @@ def placement(device: torch.device, global_rank: int, local_rank: int) -> str:
     return f"rank:{global_rank}/{device.type}:{local_rank}"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this worker: allocator peak on GPU, peak resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # ru_maxrss is KiB on Linux
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so wall-clock timers measure work, not launches."""
     if device.type == "cuda":

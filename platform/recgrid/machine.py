@@ -6,17 +6,8 @@ import os
 import platform as _platform  # the stdlib module (the repo's platform/ folder is not a package)
 import socket
 from datetime import datetime, timezone
-from importlib import metadata
 
-
-def stack_versions() -> dict[str, str]:
-    out = {}
-    for dist in ("torch", "fbgemm-gpu-cpu", "fbgemm-gpu", "torchrec", "ray", "mlflow", "pyarrow", "numpy"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+from recgrid.tracking import stack_versions
 
 
 def machine_info() -> dict:
@@ -27,7 +18,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "python": _platform.python_version(),
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": stack_versions(),
+        "versions": stack_versions(),  # python, torch, torchrec, fbgemm_gpu, ray, mlflow
     }
     try:
         import torch

@@ -173,6 +173,7 @@ class PhaseTimer:
         self.phases = tuple(phases)
         self.synchronize = synchronize
         self.seconds: dict[str, float] = dict.fromkeys(self.phases, 0.0)
+        self._open: dict[str, float] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -187,12 +188,33 @@ class PhaseTimer:
                 self.synchronize()
             self.seconds[name] += time.perf_counter() - start
 
+    def start(self, name: str) -> None:
+        """Open `name` (for forward hooks, where a `with` block cannot span pre-hook and hook)."""
+        self._check(name)
+        if self.synchronize:
+            self.synchronize()
+        self._open[name] = time.perf_counter()
+
+    def stop(self, name: str) -> float:
+        """Close `name`, charge it its seconds and return them."""
+        if self.synchronize:
+            self.synchronize()
+        elapsed = time.perf_counter() - self._open.pop(name)
+        self.seconds[name] += elapsed
+        return elapsed
+
     def add(self, name: str, seconds: float) -> None:
         self._check(name)
         self.seconds[name] += float(seconds)
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.phases, 0.0)
+
+    def take(self) -> dict[str, float]:
+        """The seconds so far, and reset."""
+        out = self.seconds
+        self.reset()
+        return out
 
     def _check(self, name: str) -> None:
         if name not in self.seconds:

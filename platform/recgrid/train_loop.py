@@ -21,12 +21,14 @@ from torchrec.distributed.types import ShardingPlan
 
 from recgrid.device import synchronize
 from recgrid.grid import Grid, GridGroups
+from recgrid.metrics import PhaseTimer
 from recgrid.model import ModelSpec, build_model
 from recgrid.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer
 from recgrid.sharding import shard_model
 from recgrid.specs import DatasetSpec
 from recgrid.sync import ReplicaSync
 
+# "dense" is the step's compute minus "lookup"; "sync" the replica sync; "data_wait" the wait for a batch
 PHASES = ("data_wait", "lookup", "lookup_kernel", "dense", "sync")
 
 
@@ -56,51 +58,26 @@ class EngineConfig:
     seed: int = 0
 
 
-class PhaseTimer:
-    """Wall-clock seconds per phase of the step, summed since the last `take()`.
+def attach_lookup_timers(timer: PhaseTimer, model: nn.Module) -> None:
+    """Charge the sparse arch's forward to "lookup" and the fused-kernel lookups inside it to
+    "lookup_kernel", with forward hooks.
 
-    "lookup" is the sparse arch's forward (id all-to-all, kernel lookup, pooled all-to-all);
-    "lookup_kernel" is this worker's fused-kernel lookups alone (its share of the work: the
-    lookup-imbalance metric compares it across workers); "dense" is the rest of forward and
-    backward and the dense optimizer; "sync" the replica sync; "data_wait" waiting for a batch.
+    "lookup" is the id all-to-all, the kernel lookups and the pooled all-to-all; "lookup_kernel"
+    is this worker's kernel lookups alone (its share of the work: the lookup-imbalance metric
+    compares it across workers, free of the waits inside the all-to-alls).
     """
+    from torchrec.models.dlrm import SparseArch
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds: dict[str, float] = {p: 0.0 for p in PHASES}
-        self._open: dict[str, float] = {}
+    def hook(module: nn.Module, phase: str) -> None:
+        module.register_forward_pre_hook(lambda *_: timer.start(phase))
+        module.register_forward_hook(lambda *_: timer.stop(phase) and None)
 
-    def start(self, phase: str) -> None:
-        synchronize(self.device)
-        self._open[phase] = time.perf_counter()
-
-    def stop(self, phase: str) -> float:
-        synchronize(self.device)
-        elapsed = time.perf_counter() - self._open.pop(phase)
-        self.seconds[phase] += elapsed
-        return elapsed
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-
-    def attach(self, model: nn.Module) -> None:
-        """Time the sparse arch and the lookup kernels with forward hooks."""
-        from torchrec.models.dlrm import SparseArch
-
-        for m in model.modules():
-            if isinstance(m, SparseArch):
-                self._hook(m, "lookup")
-                for sub in m.modules():
-                    for lookup in getattr(sub, "_lookups", []) or []:
-                        self._hook(lookup, "lookup_kernel")
-
-    def _hook(self, module: nn.Module, phase: str) -> None:
-        module.register_forward_pre_hook(lambda *_: self.start(phase))
-        module.register_forward_hook(lambda *_: self.stop(phase) and None)
-
-    def take(self) -> dict[str, float]:
-        out, self.seconds = self.seconds, {p: 0.0 for p in PHASES}
-        return out
+    for m in model.modules():
+        if isinstance(m, SparseArch):
+            hook(m, "lookup")
+            for sub in m.modules():
+                for lookup in getattr(sub, "_lookups", []) or []:
+                    hook(lookup, "lookup_kernel")
 
 
 @dataclass
@@ -136,8 +113,8 @@ def build_train_state(grid: Grid, config: EngineConfig, device: torch.device) ->
     dense_params = [p for name, p in dmp.named_parameters() if not _is_embedding(name, p)]
     replica_sync = ReplicaSync(dmp, groups.replica_pg, grid.num_groups, config.sync_every, config.delayed_moment_sync)
     replica_sync.align()  # sharding groups initialise their shards independently: start from one copy
-    timer = PhaseTimer(device)
-    timer.attach(dmp)
+    timer = PhaseTimer(PHASES, synchronize=(lambda: synchronize(device)) if device.type == "cuda" else None)
+    attach_lookup_timers(timer, dmp)
     return TrainState(
         grid=grid, groups=groups, device=device, config=config, model=dmp, plan=plan,
         dense_optimizer=dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr),
@@ -184,38 +161,43 @@ StepCallback = Callable[[TrainState, StepOutput], None]
 
 def train_loop(state: TrainState, batches: Iterator[Batch], max_steps: int,
                on_step: StepCallback | None = None) -> LoopResult:
-    """Train until `max_steps` finished steps or the batches run out. Syncs replicas every K
-    steps. `on_step` runs after every step (after its sync), on every worker; it is where the
-    launcher computes and logs metrics."""
-    result = LoopResult(steps=0)
-    phases = {p: 0.0 for p in PHASES}
+    """Train until `max_steps` finished steps or the batches run out; replicas sync every K steps.
+    `on_step` runs after every step (after its sync) on every worker."""
+    result = LoopResult(steps=0, phase_seconds={p: 0.0 for p in PHASES})
     t_start = time.perf_counter()
+
+    def record(st: TrainState, out: StepOutput) -> None:
+        result.step_seconds.append(out.seconds + st.timer.seconds["sync"])
+        result.losses.append(float(out.loss))
+        for phase, seconds in st.timer.take().items():
+            result.phase_seconds[phase] += seconds
+        if on_step is not None:
+            on_step(st, out)
+
+    run_steps(state, batches, max_steps, record)
+    result.steps = len(result.step_seconds)
+    result.examples = state.examples
+    result.wall_seconds = time.perf_counter() - t_start
+    return result
+
+
+def run_steps(state: TrainState, batches: Iterator[Batch], max_steps: int, on_step: StepCallback) -> None:
+    """The step loop: take a batch, step, sync if due, account the phases, call `on_step` (which
+    takes the phase seconds out of `state.timer`)."""
     it = iter(batches)
     while state.step < max_steps:
         t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
+        batch = next(it, None)
+        if batch is None:
+            return
         state.timer.add("data_wait", time.perf_counter() - t0)
         state.batches_consumed += 1
         out = train_step(state, batch)
         record = state.replica_sync.maybe_sync(state.step)
-        sync_s = record.seconds if record else 0.0
-        state.timer.add("sync", sync_s)
+        state.timer.add("sync", record.seconds if record else 0.0)
         # the lookup hooks fired inside this step's compute; the rest of it is the dense part
         state.timer.add("dense", max(0.0, out.seconds - state.timer.seconds["lookup"]))
-        result.step_seconds.append(out.seconds + sync_s)
-        result.losses.append(float(out.loss))
-        for phase, s in state.timer.take().items():
-            phases[phase] += s
-        if on_step is not None:
-            on_step(state, out)
-    result.steps = len(result.step_seconds)
-    result.phase_seconds = phases
-    result.examples = state.examples
-    result.wall_seconds = time.perf_counter() - t_start
-    return result
+        on_step(state, out)
 
 
 def _is_embedding(name: str, param: torch.Tensor) -> bool:
@@ -225,3 +207,132 @@ def _is_embedding(name: str, param: torch.Tensor) -> bool:
 
 def barrier(state: TrainState) -> None:
     dist.barrier(group=state.groups.global_pg)
+
+
+# ---- a whole job on one worker: epochs, metrics, evaluation ----------------------------------------
+@dataclass(frozen=True)
+class FitConfig:
+    """How long to train and how often to log and evaluate (steps)."""
+
+    max_steps: int
+    log_every: int = 50
+    eval_every: int = 0  # 0: evaluate only at the end
+    ne_window_steps: int = 100
+
+
+LogFn = Callable[[dict, int], None]
+
+
+def lockstep(batches: Iterator[Batch], state: TrainState, pad: Batch | None, until: str) -> Iterator[tuple[Batch, bool]]:
+    """Yield `(batch, real)` the same number of times on every worker.
+
+    Every forward pass is collective (all-to-all inside the sharding group, DDP over all T), so
+    workers must agree on how many they take. until="any": stop as soon as any worker's stream
+    ends (training; the others' last few batches wait for the next epoch). until="all": go on
+    until every stream ends, feeding `pad` (marked not real) to workers already done (evaluation).
+    """
+    op = dist.ReduceOp.MIN if until == "any" else dist.ReduceOp.MAX
+    it = iter(batches)
+    last = pad
+    while True:
+        batch = next(it, None)
+        flag = torch.tensor([0 if batch is None else 1], device=state.device)
+        dist.all_reduce(flag, op=op, group=state.groups.global_pg)
+        if int(flag) == 0:
+            return
+        if batch is not None:
+            last = batch
+            yield batch, True
+        else:
+            if last is None:
+                raise RuntimeError("this worker got no evaluation rows and no padding batch was given")
+            yield last, False
+
+
+def evaluate(state: TrainState, batches: Iterator[Batch], pad: Batch | None = None) -> dict[str, float]:
+    """NE, AUC, log loss over every eval row of every worker (sums reduced, never averages)."""
+    from recgrid.metrics import EvalMetrics, reduce_metrics
+
+    evaluation = EvalMetrics(device=state.device)
+    state.model.eval()
+    try:
+        with torch.no_grad():
+            for batch, real in lockstep(batches, state, pad, until="all"):
+                _, (_, logits, labels) = state.model(batch.to(state.device, non_blocking=True))
+                if real:
+                    evaluation.update(torch.sigmoid(logits.float()), labels)
+    finally:
+        state.model.train()
+    return reduce_metrics(state.groups.global_pg, evaluation=evaluation)
+
+
+def fit(state: TrainState, train_epoch: Callable[[], Iterator[Batch]], fit_config: FitConfig,
+        eval_epoch: Callable[[], Iterator[Batch]] | None = None, on_log: LogFn | None = None) -> dict[str, float]:
+    """Train for `max_steps`, starting a new epoch of `train_epoch()` whenever one runs out.
+
+    Every `log_every` steps (and at the end) the workers' metrics are reduced over all T workers
+    and handed to `on_log(metrics, step)` on every worker (the caller logs from one of them).
+    Evaluation runs every `eval_every` steps and at the end. Returns the last metrics.
+    """
+    from recgrid.metrics import TrainMetrics, reduce_metrics
+
+    metrics = TrainMetrics(window_steps=fit_config.ne_window_steps, device=state.device, phases=PHASES,
+                           imbalance_phase="lookup_kernel")
+    last: dict[str, float] = {}
+    pad: Batch | None = None
+    evaluated_at = -1
+
+    def log(values: dict[str, float]) -> None:
+        last.update(values)
+        if on_log is not None:
+            on_log(values, state.step)
+
+    def run_eval() -> None:
+        nonlocal evaluated_at
+        if eval_epoch is not None and evaluated_at != state.step:
+            log(evaluate(state, eval_epoch(), pad))
+            evaluated_at = state.step
+
+    def on_step(st: TrainState, out: StepOutput) -> None:
+        metrics.update(torch.sigmoid(out.logits.float()), out.labels, out.loss)
+        for phase, seconds in st.timer.take().items():
+            metrics.timer.add(phase, seconds)
+        if st.step % fit_config.log_every == 0 or st.step == fit_config.max_steps:
+            values = reduce_metrics(st.groups.global_pg, train=metrics)
+            values.update(_sync_metrics(st))
+            metrics.reset_interval()
+            log(values)
+        if fit_config.eval_every and st.step % fit_config.eval_every == 0:
+            run_eval()
+
+    epoch = 0
+    while state.step < fit_config.max_steps:
+        start = state.step
+        batches = (b for b, _ in lockstep(train_epoch(), state, None, until="any"))
+        first = next(batches, None)
+        if first is None:
+            raise RuntimeError(f"the training data ran out at step {state.step} (epoch {epoch} gave no batch)")
+        pad = pad or first
+        run_steps(state, _chain(first, batches), fit_config.max_steps, on_step)
+        epoch += 1
+        if state.step == start:
+            break
+    run_eval()
+    last["train/epochs"] = float(epoch)
+    return last
+
+
+def _chain(first: Batch, rest: Iterator[Batch]) -> Iterator[Batch]:
+    yield first
+    yield from rest
+
+
+def _sync_metrics(state: TrainState) -> dict[str, float]:
+    s = state.replica_sync.stats
+    return {
+        "sync/count": float(s.count),
+        "sync/seconds_total": s.seconds,
+        "sync/bytes_total": float(s.bytes),
+        "sync/seconds_last": s.last.seconds if s.last else 0.0,
+        "sync/bytes_last": float(s.last.bytes) if s.last else 0.0,
+    }
