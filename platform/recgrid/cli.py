@@ -42,24 +42,29 @@ def _add_smoke(sub: argparse._SubParsersAction) -> None:
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write synthetic Criteo-format data with a planted, learnable signal")
-    p.add_argument("--out", required=True)
-    p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--rows", type=int, required=True, help="rows in total, split evenly over the files")
     p.add_argument("--files", type=int, default=1)
-    p.add_argument("--format", default="tsv", choices=["tsv", "tsv.gz", "parquet"])
-    p.add_argument("--spec", default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-rows-per-table", type=int, default=None)
+    p.add_argument("--format", default="tsv", choices=["tsv", "tsv.gz", "parquet"],
+                   help="raw Criteo logs (tsv, tsv.gz) or already-prepared parquet shards")
+    p.add_argument("--spec", default="tiny", help="dataset spec: tiny, criteo_kaggle, criteo_1tb or a .yaml")
+    p.add_argument("--seed", type=int, default=0, help="fixes the planted model; same arguments, same bytes")
+    p.add_argument("--stream", type=int, default=0,
+                   help="an independent draw from the same planted model: 0 for training, 1 for held-out data")
+    p.add_argument("--max-rows-per-table", type=int, default=None, help="cap every table's rows (the id modulus)")
     p.set_defaults(handler="recgrid.synth:run_cli")
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="raw Criteo TSV/gz -> parquet shards, on Ray Data, resumable")
-    p.add_argument("inputs", nargs="+", help="raw files or globs")
-    p.add_argument("--out", required=True)
-    p.add_argument("--spec", default="tiny")
-    p.add_argument("--rows-per-file", type=int, default=None)
-    p.add_argument("--allow-bad-rows", type=float, default=0.0, metavar="FRACTION")
-    p.add_argument("--max-rows-per-table", type=int, default=None)
+    p.add_argument("inputs", nargs="+", help="raw files, globs or directories (plain or gzip, told by content)")
+    p.add_argument("--out", required=True, help="output directory; a rerun skips the shards already there")
+    p.add_argument("--spec", default="tiny", help="dataset spec: tiny, criteo_kaggle, criteo_1tb or a .yaml")
+    p.add_argument("--rows-per-file", type=int, default=None, help="lines per output shard (default 1,000,000)")
+    p.add_argument("--allow-bad-rows", type=float, default=0.0, metavar="FRACTION",
+                   help="skip and count bad rows; fail if more than this fraction of lines is bad "
+                        "(default 0: stop at the first)")
+    p.add_argument("--max-rows-per-table", type=int, default=None, help="cap every table's rows (the id modulus)")
     p.set_defaults(handler="recgrid.prepare:run_cli")
 
 

@@ -105,8 +105,8 @@ def ensure_data(config: JobConfig) -> None:
     d = config.data
     if not d.synth_if_missing:
         return
-    for role, patterns, rows, seed in (("train", d.train, d.synth_rows, config.train.seed),
-                                       ("eval", d.eval, d.synth_eval_rows, config.train.seed + 1)):
+    # eval rows are a held-out draw (another stream) of the same planted model as the training rows
+    for role, patterns, rows, stream in (("train", d.train, d.synth_rows, 0), ("eval", d.eval, d.synth_eval_rows, 1)):
         for pattern in patterns:
             try:
                 if expand_inputs(pattern):
@@ -119,7 +119,8 @@ def ensure_data(config: JobConfig) -> None:
             from recgrid.synth import write_synth
 
             files = max(1, min(8, rows // 25_000))
-            write_synth(str(out), rows, files=files, fmt=fmt, spec=config.dataset_spec(), seed=seed)
+            write_synth(str(out), rows, files=files, fmt=fmt, spec=config.dataset_spec(), seed=config.train.seed,
+                        stream=stream)
 
 
 def _glob_root(pattern: str) -> Path:
@@ -140,9 +141,13 @@ def connect_ray(config: JobConfig) -> None:
     env_vars = {"PYTHONWARNINGS": "ignore", "TORCHREC_LOG_LEVEL": "ERROR"}
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        # a remote cluster gets this package shipped with the job; its image must hold the stack
-        package = str(Path(__file__).resolve().parent)
-        ray.init(address=address, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
+        if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+            # submitted with the Ray Job API: the job's own runtime env (working dir) carries the code
+            ray.init(address=address, log_to_driver=True)
+        else:
+            # from outside the cluster: ship this package with the job; the image must hold the stack
+            package = str(Path(__file__).resolve().parent)
+            ray.init(address=address, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
         _say(f"joined Ray cluster at {address}")
         return
     T, per_worker = config.grid.world_size, config.train.cpus_per_worker

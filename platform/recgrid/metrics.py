@@ -20,9 +20,12 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `train/step_time_s` | wall seconds per training step in the interval (slowest worker) |
 | `train/examples_total` | training examples processed so far by all workers |
 | `time/interval_s` | wall seconds of the logging interval (slowest worker) |
-| `time/<phase>_s` | seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: `lookup` (embedding lookup and its all-to-all inside the sharding group), `dense` (interaction, MLPs, backward, optimizer step), `sync` (replica-group sync of weights and optimizer states), `data_wait` (waiting for the next batch) |
+| `time/<phase>_s` | seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: `lookup` (the sparse arch's forward: id all-to-all, embedding lookup, pooled all-to-all inside the sharding group), `lookup_kernel` (this worker's fused-kernel lookups alone, inside `lookup`), `dense` (the rest of the step: interaction, MLPs, backward with the fused embedding update, dense optimizer), `sync` (replica-group sync of weights and optimizer states), `data_wait` (waiting for the next batch) |
 | `time/<phase>_s_max` | the same, max over workers |
-| `imbalance/lookup_max_over_mean` | lookup imbalance ratio, as in the 2D paper: max / mean over workers of per-worker embedding-lookup seconds in the interval, from the phase named by `TrainMetrics(imbalance_phase=...)` (default `lookup`) (1 = balanced; omitted when no lookup time was recorded) |
+| `imbalance/lookup_max_over_mean` | lookup imbalance ratio, as in the 2D paper: max / mean over workers of per-worker embedding-lookup seconds in the interval (the training loop feeds it `lookup_kernel`, the kernels' own time, free of all-to-all waits; 1 = balanced) |
+| `sync/count` | replica syncs so far (0 when M = 1) |
+| `sync/seconds_total`, `sync/seconds_last` | seconds this worker spent in replica syncs so far, and in the last one |
+| `sync/bytes_total`, `sync/bytes_last` | bytes this worker put into the replica-group all-reduce (embedding weights + optimizer states of its shards) so far, and in the last sync |
 | `memory/peak_mb_max` | peak memory of a worker in MiB, max over workers: `torch.cuda.max_memory_allocated` on GPU workers, peak resident set size of the worker process on CPU workers |
 | `memory/peak_mb_mean` | the same, mean over workers |
 | `eval/ne` | normalized entropy over all eval rows of all workers |
