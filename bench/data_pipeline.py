@@ -21,29 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 
 import numpy as np
-
-
-def machine_info() -> dict:
-    import pyarrow
-    import ray
-    import torch
-    import torchrec
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "versions": {"ray": ray.__version__, "pyarrow": pyarrow.__version__, "torch": torch.__version__,
-                     "torchrec": torchrec.__version__, "numpy": np.__version__},
-    }
 
 
 def best_of(fn, repeat: int) -> float:
@@ -172,22 +155,75 @@ def bench_stream_workers(paths, spec, batch_size: int, workers: int, repeat: int
             "rows_per_s_per_worker": sum(rows) / wall / workers}
 
 
-def measure_training_qps(spec, paths, batch_size: int, workers: int) -> dict:
-    """Stream-vs-memory QPS of the 2-D training loop: the issue's streaming figure (goal >= 0.9).
+def _qps_worker(cfg: dict) -> None:
+    """One Ray Train worker: the same 2-D loop fed from the stream, then from memory."""
+    import itertools
 
-    To fill in once the training loop lands (recgrid.train_loop / recgrid.local): run the same
-    loop, same T, M and per-worker batch, twice on T workers -
-      memory: batches = recgrid.data.memory_batches(<this worker's rows>, batch_size, spec),
-              fed as iter(batches), so collation is done before the clock starts;
-      stream: batches = recgrid.data.iter_batches(ray.train.get_dataset_shard("train") or the
-              worker's stream from recgrid.data.worker_streams, batch_size, spec);
-    time a fixed number of steps after warm-up in each, and report
-      {"qps_memory": ..., "qps_stream": ..., "ratio": qps_stream / qps_memory}.
-    If the ratio is below 0.9, compare with the stream_* figures above (what the stream alone
-    delivers per worker) to tell input-bound from contention for the same cores.
+    import ray.train
+    import torch
+
+    from recgrid.data import iter_batches, memory_batches
+    from recgrid.grid import Grid
+    from recgrid.train_loop import EngineConfig, build_train_state, train_loop
+
+    ctx = ray.train.get_context()
+    torch.set_num_threads(1)
+    grid = Grid(ctx.get_world_size(), cfg["num_groups"])
+    spec, B, warmup, steps = cfg["spec"], cfg["batch_size"], cfg["warmup"], cfg["steps"]
+    state = build_train_state(grid, EngineConfig(spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
+    shard = ray.train.get_dataset_shard("train")
+
+    def timed(batches) -> dict:
+        train_loop(state, batches, state.step + warmup)
+        result = train_loop(state, batches, state.step + steps)
+        return {"steps": result.steps, "seconds": result.wall_seconds, "data_wait_s": result.phase_seconds["data_wait"]}
+
+    # this worker's rows of one pass, collated before the clock starts
+    held = memory_batches(shard, B, spec)
+    memory = timed(itertools.cycle(held))
+    stream = timed(iter(iter_batches(shard, B, spec)))
+    if stream["steps"] < steps:
+        raise RuntimeError(f"the stream ran out after {stream['steps']} timed steps; give the benchmark more rows")
+    with open(os.path.join(cfg["out"], f"rank{ctx.get_world_rank()}.json"), "w") as f:
+        json.dump({"stream": stream, "memory": memory}, f)
+
+
+def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups: int = 2, sync_every: int = 5,
+                         warmup: int = 20, steps: int = 100) -> dict:
+    """Stream-vs-memory QPS of the 2-D training loop (goal: ratio >= 0.9).
+
+    One Ray Train job, T workers, M sharding groups: each worker runs the same loop twice on
+    the same model, `warmup` + `steps` steps fed from batches of its own rows held in memory,
+    then the same fed from its Ray Data stream (the production path: `get_dataset_shard` ->
+    `iter_batches`). QPS = T * batch_size * steps / the slowest worker's seconds.
     """
-    return {"status": "skipped",
-            "reason": "the 2-D training loop is not wired here yet; see measure_training_qps' docstring"}
+    import ray.train
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from recgrid.data import read_dataset
+
+    out = tempfile.mkdtemp(prefix="recgrid-bench-qps-")
+    trainer = TorchTrainer(
+        _qps_worker,
+        train_loop_config={"spec": spec, "batch_size": batch_size, "num_groups": num_groups, "sync_every": sync_every,
+                           "warmup": warmup, "steps": steps, "out": out},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(storage_path=os.path.join(out, "ray")),
+        datasets={"train": read_dataset(paths, spec)},
+    )
+    trainer.fit()
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(workers)]
+    shutil.rmtree(out, ignore_errors=True)
+    figures: dict = {"T": workers, "M": num_groups, "K": sync_every, "batch_size_per_worker": batch_size,
+                     "steps": steps, "warmup": warmup}
+    for mode in ("stream", "memory"):
+        slowest = max(r[mode]["seconds"] for r in ranks)
+        figures[f"qps_{mode}"] = workers * batch_size * min(r[mode]["steps"] for r in ranks) / slowest
+        figures[f"data_wait_s_per_step_{mode}"] = max(r[mode]["data_wait_s"] for r in ranks) / steps
+    figures["ratio"] = figures["qps_stream"] / figures["qps_memory"]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    from recgrid.machine import machine_info
     from recgrid.specs import get_spec
     from recgrid.synth import write_synth
 
@@ -214,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         raw = write_synth(os.path.join(work, "raw"), args.rows, args.files, "tsv", spec, seed=0)
         result["config"]["raw_bytes"] = sum(os.path.getsize(p) for p in raw)
         figures = bench_parse(raw, args.rows, spec, args.repeat)
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        # one logical CPU beyond the cores: T workers at 0.5 CPU plus read tasks must fit at once;
+        # the dashboard serves the state API that Ray Train's placement-group cleaner polls
+        ray.init(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
         try:
             prepared = os.path.join(work, "prepared")
             figures["prepare_ray"] = bench_prepare_ray(

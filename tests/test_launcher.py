@@ -33,19 +33,26 @@ def two_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
+    bad = tmp / "bad"
+    bad.mkdir()
+    good = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
+    (bad / "day_0").write_text(good + "\n" + good.replace("0a1b2c3d", "NOT-HEX!", 1) + "\n")
     try:
         m2 = run_job(_job(tmp, uri, 2))
         m1 = run_job(_job(tmp, uri, 1))
+        failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
+            f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
+            "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed"]))
     finally:
         ray.shutdown()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    return client, m2, m1
+    return client, m2, m1, failed
 
 
 def test_m2_job_lands_in_mlflow(two_runs):
-    client, m2, _ = two_runs
+    client, m2, _, _ = two_runs
     assert m2.status == "FINISHED", m2.error
     run = client.get_run(m2.run_id)
     assert run.info.status == "FINISHED"
@@ -69,7 +76,7 @@ def test_m2_job_lands_in_mlflow(two_runs):
 
 
 def test_m1_baseline_differs_only_where_it_should(two_runs):
-    client, m2, m1 = two_runs
+    client, m2, m1, _ = two_runs
     assert m1.status == "FINISHED", m1.error
     p1, p2 = client.get_run(m1.run_id).data.params, client.get_run(m2.run_id).data.params
     assert p1["num_groups"] == "1" and p1["group_size"] == "4"
@@ -106,20 +113,12 @@ def test_invalid_config_fails_before_workers_start(tmp_path, overrides, field):
     assert not (tmp_path / "mlflow.db").exists()  # and no run was created
 
 
-def test_failed_job_marks_its_run_failed(tmp_path):
+def test_failed_job_marks_its_run_failed(two_runs):
     """A data error found once the job runs: the run is FAILED and says where the bad row is."""
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    good = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
-    (bad / "day_0").write_text(good + "\n" + good.replace("0a1b2c3d", "NOT-HEX!", 1) + "\n")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    p = _train_cli(f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false",
-                   "train.max_steps=5", "train.batch_size=1", f"tracking.tracking_uri={uri}",
-                   env={"RECGRID_RUNS_DIR": str(tmp_path / "runs")})
-    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
-    from mlflow.tracking import MlflowClient
-
-    runs = MlflowClient(tracking_uri=uri).search_runs([MlflowClient(tracking_uri=uri).get_experiment_by_name(
-        "recgrid-demo").experiment_id])
-    assert len(runs) == 1 and runs[0].info.status == "FAILED"
-    assert "day_0" in runs[0].data.tags["error"] and "line 2" in runs[0].data.tags["error"]
+    client, _, _, failed = two_runs
+    assert failed.status == "FAILED"
+    run = client.get_run(failed.run_id)
+    assert run.info.status == "FAILED"
+    # file, line and field of the bad value, in the run and in what the driver printed
+    assert "bad/day_0:2: field C1" in run.data.tags["error"], run.data.tags["error"]
+    assert "bad/day_0:2: field C1" in failed.error

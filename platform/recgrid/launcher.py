@@ -76,8 +76,9 @@ def run_job(config: JobConfig) -> JobResult:
         connect_ray(config)
         _fit_on_ray(config, tracker)
     except BaseException as e:  # noqa: BLE001 - the run records every failure, then it propagates as a status
-        tracker.fail(e)
-        error = _root_cause(e)
+        cause = _root_cause(e)
+        tracker.fail(cause)  # the user's error, not Ray's wrapper around it
+        error = f"{type(cause).__name__}: {cause}".splitlines()[0][:2000]
         _say(f"FAILED: {error}")
         return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command())
     tracker.finish()
@@ -252,6 +253,9 @@ def train_worker(cfg: dict) -> None:
     from recgrid.sharding import sharding_summary
     from recgrid.train_loop import build_train_state, fit
 
+    from recgrid.local import quiet_libraries
+
+    quiet_libraries()
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -337,8 +341,8 @@ def summary_table(config: JobConfig, result: JobResult) -> str:
     return "\n".join(lines)
 
 
-def _root_cause(e: BaseException) -> str:
-    """The user's error inside Ray's wrappers, as one line."""
+def _root_cause(e: BaseException) -> BaseException:
+    """The user's error inside Ray's wrappers."""
     seen = set()
     while id(e) not in seen:
         seen.add(id(e))
@@ -350,7 +354,7 @@ def _root_cause(e: BaseException) -> str:
         if not isinstance(inner, BaseException):
             break
         e = inner
-    return f"{type(e).__name__}: {e}".splitlines()[0][:2000]
+    return e
 
 
 def _say(msg: str) -> None:

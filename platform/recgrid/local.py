@@ -60,6 +60,16 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [out[r] for r in range(world_size)]
 
 
+def quiet_libraries() -> None:
+    """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("torch", "torchrec", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, fn: Callable[..., Any],
             args: tuple, kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -68,6 +78,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, f
     import torch.distributed as dist
 
     torch.set_num_threads(threads)  # T processes share this machine's cores
+    quiet_libraries()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)

@@ -34,6 +34,9 @@ MODEL_PARALLEL_TYPES: tuple[str, ...] = (
     ShardingType.GRID_SHARD.value,
 )
 SHARDING_CHOICES: tuple[str, ...] = ("auto",) + MODEL_PARALLEL_TYPES
+# What "auto" lets the planner pick from: table-column-wise only when asked for (see
+# _check_table_column_wise); column-wise and table-wise cover what it would do here.
+AUTO_TYPES: tuple[str, ...] = tuple(t for t in MODEL_PARALLEL_TYPES if t != ShardingType.TABLE_COLUMN_WISE.value)
 
 
 class GridSharder(EmbeddingBagCollectionSharder):
@@ -60,16 +63,15 @@ def plan_sharding(model: torch.nn.Module, grid: Grid, groups: GridGroups, sharde
     """
     if sharding not in SHARDING_CHOICES:
         raise ValueError(f"sharding must be one of {list(SHARDING_CHOICES)}, got {sharding!r}")
-    constraints = None
-    if sharding != "auto":
-        constraints = {
-            name: ParameterConstraints(
-                sharding_types=[sharding],
-                compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-                min_partition=_column_shard_dim(dim, grid.group_size) if "column" in sharding else None,
-            )
-            for name, dim in _tables(model)
-        }
+    choices = [sharding] if sharding != "auto" else list(AUTO_TYPES)
+    constraints = {
+        name: ParameterConstraints(
+            sharding_types=choices,
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+            min_partition=_column_shard_dim(dim, grid.group_size) if "column" in sharding else None,
+        )
+        for name, dim in _tables(model)
+    }
     topology = Topology(
         world_size=grid.group_size,
         compute_device=device.type,
@@ -77,7 +79,23 @@ def plan_sharding(model: torch.nn.Module, grid: Grid, groups: GridGroups, sharde
     )
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     # Every worker must shard with the same plan, so one plans and the global group hears it.
-    return planner.collective_plan(model, [sharder], groups.global_pg)
+    plan = planner.collective_plan(model, [sharder], groups.global_pg)
+    _check_table_column_wise(plan, grid.group_size)
+    return plan
+
+
+def _check_table_column_wise(plan: ShardingPlan, group_size: int) -> None:
+    """TorchRec 1.8 cannot build the 2-D (DTensor) view of a table-column-wise table on a worker
+    that holds none of its shards (its global-shape helper has no table-column-wise case), and
+    fails deep inside sharding. Say so up front, naming the table."""
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            if ps.sharding_type == ShardingType.TABLE_COLUMN_WISE.value and len(set(ps.ranks or [])) < group_size:
+                raise ValueError(
+                    f"table_column_wise put table {table} on shard ranks {sorted(set(ps.ranks))} of a sharding group "
+                    f"of L={group_size}; TorchRec 1.8 needs every worker of the group to hold a shard of such a "
+                    f"table. Use column_wise, or a larger embedding dim, or a smaller L (more groups)."
+                )
 
 
 def remap_plan(plan: ShardingPlan, grid: Grid, groups: GridGroups, device: torch.device) -> ShardingPlan:
