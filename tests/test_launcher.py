@@ -73,6 +73,7 @@ def test_m2_job_lands_in_mlflow(two_runs):
     assert 0.5 < final["eval/auc"] <= 1.0
     assert final["sync/count"] == 12  # 60 steps / K=5
     assert final["eval/examples"] == 8000  # every eval row, once
+    assert final["train/qps_median"] > 0
 
 
 def test_m1_baseline_differs_only_where_it_should(two_runs):

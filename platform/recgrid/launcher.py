@@ -28,8 +28,8 @@ SUMMARY = (
     ("eval/auc", "eval AUC", "{:.4f}"),
     ("train/ne", "train NE (window)", "{:.4f}"),
     ("train/loss", "train loss", "{:.4f}"),
-    ("train/qps", "QPS (global, last interval)", "{:,.0f}"),
-    ("train/step_time_s", "step time s", "{:.4f}"),
+    ("train/qps_median", "QPS (global, median of intervals)", "{:,.0f}"),
+    ("train/step_time_s_median", "step time s (median of intervals)", "{:.4f}"),
     ("memory/peak_mb_max", "peak memory MiB (max worker)", "{:,.0f}"),
     ("memory/peak_mb_mean", "peak memory MiB (mean)", "{:,.0f}"),
     ("imbalance/lookup_max_over_mean", "lookup imbalance max/mean", "{:.3f}"),
@@ -81,11 +81,25 @@ def run_job(config: JobConfig) -> JobResult:
         error = f"{type(cause).__name__}: {cause}".splitlines()[0][:2000]
         _say(f"FAILED: {error}")
         return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command())
+    tracker.log_metrics(interval_medians(tracker, config.train.max_steps), config.train.max_steps)
     tracker.finish()
     metrics = dict(tracker.client.get_run(tracker.run_id).data.metrics)
     result = JobResult(tracker.run_id, "FINISHED", metrics, None, time.perf_counter() - t0, tracker.ui_command())
     print(summary_table(config, result), flush=True)
     return result
+
+
+def interval_medians(tracker: Any, step: int) -> dict[str, float]:
+    """Median over the logging intervals of QPS and step time: the run's typical speed, which an
+    interval holding an epoch's start-up or an evaluation does not skew."""
+    import statistics
+
+    out = {}
+    for name in ("train/qps", "train/step_time_s"):
+        values = [m.value for m in tracker.client.get_metric_history(tracker.run_id, name)]
+        if values:
+            out[f"{name}_median"] = statistics.median(values)
+    return out
 
 
 def job_params(config: JobConfig) -> dict[str, Any]:
@@ -288,7 +302,8 @@ def train_worker(cfg: dict) -> None:
         if tracker is None:
             return
         tracker.log_metrics(values, step)
-        print(progress_line(values, step, max_steps, time.perf_counter() - started), flush=True)
+        # to the process's own stdout: Ray Train's print patch would log the line a second time
+        print(progress_line(values, step, max_steps, time.perf_counter() - started), file=sys.__stdout__, flush=True)
 
     fit(state, train_epoch, cfg["fit"], eval_epoch, on_log)
     state.replica_sync.close()

@@ -18,6 +18,7 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `train/calibration` | mean prediction / mean label in the NE window (1 = calibrated) |
 | `train/qps` | training examples per second, globally: examples of all workers in the interval / the interval's wall seconds (slowest worker) |
 | `train/step_time_s` | wall seconds per training step in the interval (slowest worker) |
+| `train/qps_median`, `train/step_time_s_median` | the median of `train/qps` and `train/step_time_s` over the run's logging intervals, logged once at the end by the launcher (an interval holding an epoch's start-up or an evaluation does not skew it) |
 | `train/examples_total` | training examples processed so far by all workers |
 | `time/interval_s` | wall seconds of the logging interval (slowest worker) |
 | `time/<phase>_s` | seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: `lookup` (the sparse arch's forward: id all-to-all, embedding lookup, pooled all-to-all inside the sharding group), `lookup_kernel` (this worker's fused-kernel lookups alone, inside `lookup`), `dense` (the rest of the step: interaction, MLPs, backward with the fused embedding update, dense optimizer), `sync` (replica-group sync of weights and optimizer states), `data_wait` (waiting for the next batch) |
