@@ -176,7 +176,7 @@ def _qps_worker(cfg: dict) -> None:
     def timed(batches) -> dict:
         train_loop(state, batches, state.step + warmup)
         result = train_loop(state, batches, state.step + steps)
-        return {"steps": result.steps, "seconds": result.wall_seconds, "data_wait_s": result.phase_seconds["data_wait"]}
+        return {"steps": result.steps, "seconds": result.wall_seconds, "phase_seconds": result.phase_seconds}
 
     # this worker's rows of one pass, collated before the clock starts
     held = memory_batches(shard, B, spec)
@@ -221,7 +221,10 @@ def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups:
     for mode in ("stream", "memory"):
         slowest = max(r[mode]["seconds"] for r in ranks)
         figures[f"qps_{mode}"] = workers * batch_size * min(r[mode]["steps"] for r in ranks) / slowest
-        figures[f"data_wait_s_per_step_{mode}"] = max(r[mode]["data_wait_s"] for r in ranks) / steps
+        # where a step's time goes, mean over workers: compute slowed by contention vs waiting for data
+        figures[f"ms_per_step_{mode}"] = {
+            phase: round(1000 * sum(r[mode]["phase_seconds"][phase] for r in ranks) / len(ranks) / steps, 2)
+            for phase in ("data_wait", "lookup", "dense", "sync")}
     figures["ratio"] = figures["qps_stream"] / figures["qps_memory"]
     return figures
 

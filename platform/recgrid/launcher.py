@@ -115,35 +115,41 @@ def job_params(config: JobConfig) -> dict[str, Any]:
 # ---- data -----------------------------------------------------------------------------------------
 def ensure_data(config: JobConfig) -> None:
     """With data.synth_if_missing, generate synthetic Criteo data where the globs match nothing."""
-    from recgrid.criteo import expand_inputs
-
     d = config.data
     if not d.synth_if_missing:
         return
     # eval rows are a held-out draw (another stream) of the same planted model as the training rows
     for role, patterns, rows, stream in (("train", d.train, d.synth_rows, 0), ("eval", d.eval, d.synth_eval_rows, 1)):
         for pattern in patterns:
-            try:
-                if expand_inputs(pattern):
-                    continue
-            except Exception:  # noqa: BLE001 - "matches nothing" is exactly the case handled here
-                pass
+            if _matches(pattern):
+                continue
             out = _glob_root(pattern)
             fmt = "parquet" if pattern.endswith(".parquet") else "tsv.gz" if pattern.endswith(".gz") else "tsv"
             _say(f"data.{role}: {pattern!r} matches nothing; writing {rows:,} synthetic rows ({fmt}) to {out}/")
             from recgrid.synth import write_synth
 
             files = max(1, min(8, rows // 25_000))
-            write_synth(str(out), rows, files=files, fmt=fmt, spec=config.dataset_spec(), seed=config.train.seed,
-                        stream=stream)
+            written = write_synth(str(out), rows, files=files, fmt=fmt, spec=config.dataset_spec(),
+                                  seed=config.train.seed, stream=stream)
+            if not _matches(pattern):
+                raise ConfigError(f"data.{role}: wrote synthetic data to {written[0]} and others, but {pattern!r} "
+                                  f"still matches none of it; use a glob such as {out}/*.{fmt}")
+
+
+def _matches(pattern: str) -> bool:
+    from recgrid.criteo import CriteoDataError, expand_inputs
+
+    try:
+        return bool(expand_inputs(pattern))
+    except CriteoDataError:  # matches no file, or an empty directory
+        return False
 
 
 def _glob_root(pattern: str) -> Path:
     """The directory part of a glob before its first wildcard."""
     parts = Path(pattern).parts
-    fixed = [p for p in parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))]]
-    root = Path(*fixed) if fixed else Path(".")
-    return root if root != Path(pattern) else root.parent
+    wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts) - 1)
+    return Path(*parts[:wild]) if wild else Path(".")
 
 
 # ---- Ray --------------------------------------------------------------------------------------------

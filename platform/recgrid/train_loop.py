@@ -205,10 +205,6 @@ def _is_embedding(name: str, param: torch.Tensor) -> bool:
     return "embedding_bag" in name or type(param).__name__ == "TableBatchedEmbeddingSlice"
 
 
-def barrier(state: TrainState) -> None:
-    dist.barrier(group=state.groups.global_pg)
-
-
 # ---- a whole job on one worker: epochs, metrics, evaluation ----------------------------------------
 @dataclass(frozen=True)
 class FitConfig:
