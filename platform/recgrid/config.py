@@ -31,7 +31,10 @@ from typing import Any, Literal, Mapping, Sequence
 from recgrid.grid import Grid, GridError
 from recgrid.specs import DatasetSpec, SpecError, get_spec
 
-SHARDINGS: tuple[str, ...] = ("auto", "table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard")
+# The choices a job can name; model.py, optimizer.py and sharding.py use these same tuples.
+SHARDINGS: tuple[str, ...] = (
+    "auto", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "grid_shard",
+)
 ARCHS: tuple[str, ...] = ("dlrm", "dcn")
 DENSE_OPTIMIZERS: tuple[str, ...] = ("adagrad", "adam", "sgd")
 
@@ -77,7 +80,7 @@ class ModelConfig:
     """Cross layers of the DCN interaction (arch "dcn" only)."""
     dcn_low_rank_dim: int = 16
     """Rank of the low-rank cross layers (arch "dcn" only)."""
-    sharding: Literal["auto", "table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard"] = "auto"
+    sharding: Literal["auto", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "grid_shard"] = "auto"
     """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table."""
 
 

@@ -10,9 +10,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import PoolingType
 
+from recgrid.config import ARCHS
 from recgrid.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec
 
-ARCHS = ("dlrm", "dcn")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from typing import Iterable
 
 import torch
 
-DENSE_OPTIMIZERS = ("adagrad", "adam", "sgd")
+from recgrid.config import DENSE_OPTIMIZERS
+
 
 
 @dataclass(frozen=True)

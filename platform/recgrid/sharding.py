@@ -21,19 +21,14 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import EnumerableShardingSpec, ShardingEnv2D, ShardingPlan, ShardingType
 
+from recgrid.config import SHARDINGS
 from recgrid.device import placement
 from recgrid.grid import Grid, GridGroups
 
-# The sharding types a user may ask for; "auto" lets TorchRec's planner choose per table.
-MODEL_PARALLEL_TYPES: tuple[str, ...] = (
-    ShardingType.TABLE_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.GRID_SHARD.value,
-)
-SHARDING_CHOICES: tuple[str, ...] = ("auto",) + MODEL_PARALLEL_TYPES
+# The sharding types a user may ask for (config.SHARDINGS); "auto" lets TorchRec's planner choose.
+SHARDING_CHOICES: tuple[str, ...] = SHARDINGS
+# ShardingType(...) fails at import if a name is not one of TorchRec's sharding types
+MODEL_PARALLEL_TYPES: tuple[str, ...] = tuple(ShardingType(t).value for t in SHARDINGS if t != "auto")
 # What "auto" lets the planner pick from: table-column-wise only when asked for (see
 # _check_table_column_wise); column-wise and table-wise cover what it would do here.
 AUTO_TYPES: tuple[str, ...] = tuple(t for t in MODEL_PARALLEL_TYPES if t != ShardingType.TABLE_COLUMN_WISE.value)

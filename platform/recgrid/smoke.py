@@ -55,7 +55,7 @@ def smoke_worker(grid: Grid, steps: int, sync_every: int, sharding: str, batch_s
                  moment_scale: float | None, delayed: bool, arch: str, seed: int) -> dict:
     from recgrid.sync import embedding_weights, optimizer_states
     from recgrid.sharding import sharding_summary
-    from recgrid.train_loop import EngineConfig, build_train_state, train_loop
+    from recgrid.train_loop import EngineConfig, build_train_state, dense_parameters, train_loop
 
     config = EngineConfig(
         spec=get_spec("tiny"),
@@ -80,7 +80,7 @@ def smoke_worker(grid: Grid, steps: int, sync_every: int, sharding: str, batch_s
     rank = dist.get_rank()
     result = train_loop(state, random_batches(config.spec, batch_size, seed=seed * 1000 + rank), steps)
     state.replica_sync.close()
-    dense = [p for n, p in state.model.named_parameters() if "embedding_bag" not in n]
+    dense = dense_parameters(state.model)
     out = {
         **diffs,
         "dense_diff": peer_max_diff(dense, dist.group.WORLD),

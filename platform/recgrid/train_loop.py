@@ -8,6 +8,7 @@ restore it without touching the loop.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -110,14 +111,13 @@ def build_train_state(grid: Grid, config: EngineConfig, device: torch.device) ->
     groups = grid.build_process_groups(device.type)
     model = build_model(config.spec, config.model, seed=config.seed, dense_device=device)
     dmp, plan = shard_model(model, grid, groups, device, config.embedding_optimizer.fused_params(), config.sharding)
-    dense_params = [p for name, p in dmp.named_parameters() if not _is_embedding(name, p)]
     replica_sync = ReplicaSync(dmp, groups.replica_pg, grid.num_groups, config.sync_every, config.delayed_moment_sync)
     replica_sync.align()  # sharding groups initialise their shards independently: start from one copy
     timer = PhaseTimer(PHASES, synchronize=(lambda: synchronize(device)) if device.type == "cuda" else None)
     attach_lookup_timers(timer, dmp)
     return TrainState(
         grid=grid, groups=groups, device=device, config=config, model=dmp, plan=plan,
-        dense_optimizer=dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr),
+        dense_optimizer=dense_optimizer(config.dense_optimizer, dense_parameters(dmp), config.dense_lr),
         replica_sync=replica_sync, timer=timer,
     )
 
@@ -200,9 +200,11 @@ def run_steps(state: TrainState, batches: Iterator[Batch], max_steps: int, on_st
         on_step(state, out)
 
 
-def _is_embedding(name: str, param: torch.Tensor) -> bool:
-    # Fused-kernel tables are updated inside backward; they must not reach the dense optimizer.
-    return "embedding_bag" in name or type(param).__name__ == "TableBatchedEmbeddingSlice"
+def dense_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    """The data-parallel parameters. Fused-kernel tables are updated inside backward and must
+    not reach the dense optimizer."""
+    return [p for name, p in model.named_parameters()
+            if "embedding_bag" not in name and type(p).__name__ != "TableBatchedEmbeddingSlice"]
 
 
 # ---- a whole job on one worker: epochs, metrics, evaluation ----------------------------------------
@@ -309,18 +311,13 @@ def fit(state: TrainState, train_epoch: Callable[[], Iterator[Batch]], fit_confi
         if first is None:
             raise RuntimeError(f"the training data ran out at step {state.step} (epoch {epoch} gave no batch)")
         pad = pad or first
-        run_steps(state, _chain(first, batches), fit_config.max_steps, on_step)
+        run_steps(state, itertools.chain([first], batches), fit_config.max_steps, on_step)
         epoch += 1
         if state.step == start:
             break
     run_eval()
     last["train/epochs"] = float(epoch)
     return last
-
-
-def _chain(first: Batch, rest: Iterator[Batch]) -> Iterator[Batch]:
-    yield first
-    yield from rest
 
 
 def _sync_metrics(state: TrainState) -> dict[str, float]:
