@@ -35,7 +35,10 @@ smoke: install
 
 bench: install
 	$(BIN)/python bench/step_time.py
+	$(BIN)/python bench/calibrate_cpu.py
 	$(BIN)/python bench/data_pipeline.py
+	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/quality.py
 
 clean:
 	rm -rf $(VENV) runs

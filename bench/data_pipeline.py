@@ -11,7 +11,8 @@ Figures:
   collate            numpy batch -> torchrec Batch alone
   stream_*           rows/s of read_dataset -> iter_batches (stream + collate) per consumer,
                      for prepared parquet and raw TSV, one consumer and T consumers (Ray actors)
-  training_qps       stream-vs-memory QPS of the 2-D training loop (see measure_training_qps)
+  training_qps       stream-vs-memory and units-vs-memory QPS of the 2-D training loop (see
+                     measure_training_qps)
 
 Usage: .venv/bin/python bench/data_pipeline.py [--rows N] [--files F] [--workers T] [--batch-size B]
 """
@@ -42,8 +43,8 @@ def best_of(fn, repeat: int) -> float:
 def bench_parse(files: list[str], rows: int, spec, repeat: int) -> dict:
     import pyarrow.csv as pacsv
 
-    from recgrid.criteo import TSV, read_raw
-    from recgrid.prepare import _process_unit
+    from recgrid.data.criteo import TSV, read_raw
+    from recgrid.data.prepare import _process_unit
 
     def pyarrow_parse(threads: bool):
         for p in files:
@@ -78,7 +79,7 @@ def bench_parse(files: list[str], rows: int, spec, repeat: int) -> dict:
 
 
 def bench_prepare_ray(files: list[str], out: str, rows: int, spec, pyarrow_rate: float, rows_per_file: int) -> dict:
-    from recgrid.prepare import prepare
+    from recgrid.data.prepare import prepare
 
     cores = os.cpu_count() or 1
     # warm-up: Ray's worker processes start and import once; a long prepare pays that once too
@@ -96,8 +97,8 @@ def bench_prepare_ray(files: list[str], out: str, rows: int, spec, pyarrow_rate:
 def bench_collate(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict:
     import pyarrow.parquet as pq
 
-    from recgrid.criteo import PREPARED_SCHEMA
-    from recgrid.data import Collator
+    from recgrid.data.criteo import PREPARED_SCHEMA
+    from recgrid.data.stream import Collator
 
     t = pq.read_table(sorted(os.path.join(prepared_dir, n) for n in os.listdir(prepared_dir))[0])
     cols = {n: t.column(n).to_numpy() for n in PREPARED_SCHEMA.names}
@@ -115,7 +116,7 @@ def bench_collate(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict
 
 
 def bench_stream_one(paths, spec, batch_size: int, repeat: int) -> dict:
-    from recgrid.data import iter_batches, read_dataset
+    from recgrid.data.stream import iter_batches, read_dataset
 
     ds = read_dataset(paths, spec)
     for _ in iter_batches(ds, batch_size, spec):  # warm-up pass: worker processes, imports, page cache
@@ -128,12 +129,12 @@ def bench_stream_one(paths, spec, batch_size: int, repeat: int) -> dict:
 def bench_stream_workers(paths, spec, batch_size: int, workers: int, repeat: int) -> dict:
     import ray
 
-    from recgrid.data import read_dataset, worker_streams
+    from recgrid.data.stream import read_dataset, worker_streams
 
     @ray.remote(num_cpus=0.25)
     class Consumer:
         def run(self, stream, spec, batch_size):
-            from recgrid.data import iter_batches
+            from recgrid.data.stream import iter_batches
 
             t = time.perf_counter()
             rows = sum(len(b.labels) for b in iter_batches(stream, batch_size, spec))
@@ -162,52 +163,61 @@ def _qps_worker(cfg: dict) -> None:
     import ray.train
     import torch
 
-    from recgrid.data import iter_batches, memory_batches
-    from recgrid.grid import Grid
-    from recgrid.train_loop import EngineConfig, build_train_state, train_loop
+    from recgrid.data.stream import iter_batches, memory_batches
+    from recgrid.engine.grid import Grid
+    from recgrid.train.trainer import EngineConfig, Trainer
 
     ctx = ray.train.get_context()
     torch.set_num_threads(1)
     grid = Grid(ctx.get_world_size(), cfg["num_groups"])
     spec, B, warmup, steps = cfg["spec"], cfg["batch_size"], cfg["warmup"], cfg["steps"]
-    state = build_train_state(grid, EngineConfig(spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
+    state = Trainer.build(grid, EngineConfig(spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
     shard = ray.train.get_dataset_shard("train")
 
     def timed(batches) -> dict:
-        train_loop(state, batches, state.step + warmup)
-        result = train_loop(state, batches, state.step + steps)
+        state.run(batches, state.state.step + warmup)
+        result = state.run(batches, state.state.step + steps)
         return {"steps": result.steps, "seconds": result.wall_seconds, "phase_seconds": result.phase_seconds}
 
     # this worker's rows of one pass, collated before the clock starts
     held = memory_batches(shard, B, spec)
     memory = timed(itertools.cycle(held))
     stream = timed(iter(iter_batches(shard, B, spec)))
-    if stream["steps"] < steps:
-        raise RuntimeError(f"the stream ran out after {stream['steps']} timed steps; give the benchmark more rows")
+    # the trainer's own input: this worker's part of the epoch plan, read by its prefetch thread
+    from recgrid.data.stream import unit_batches
+    from recgrid.data.units import DataCursor, EpochPlan
+
+    seg = EpochPlan(cfg["inputs"], seed=0, batch_size=B).segment(DataCursor(), ctx.get_world_size())
+    units = timed(unit_batches(cfg["inputs"], seg.part(ctx.get_world_rank()), spec, B))
+    for name, got in (("stream", stream), ("units", units)):
+        if got["steps"] < steps:
+            raise RuntimeError(f"the {name} input ran out after {got['steps']} timed steps; give the benchmark more rows")
     with open(os.path.join(cfg["out"], f"rank{ctx.get_world_rank()}.json"), "w") as f:
-        json.dump({"stream": stream, "memory": memory}, f)
+        json.dump({"stream": stream, "memory": memory, "units": units}, f)
 
 
 def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups: int = 2, sync_every: int = 5,
                          warmup: int = 20, steps: int = 100) -> dict:
     """Stream-vs-memory QPS of the 2-D training loop (goal: ratio >= 0.9).
 
-    One Ray Train job, T workers, M sharding groups: each worker runs the same loop twice on
+    One Ray Train job, T workers, M sharding groups: each worker runs the same loop three times on
     the same model, `warmup` + `steps` steps fed from batches of its own rows held in memory,
-    then the same fed from its Ray Data stream (the production path: `get_dataset_shard` ->
-    `iter_batches`). QPS = T * batch_size * steps / the slowest worker's seconds.
+    then from its Ray Data stream (`get_dataset_shard` -> `iter_batches`), then from its part of
+    the epoch plan read by the trainer's own prefetching reader (`unit_batches`: the production
+    path since training became resumable). QPS = T * batch_size * steps / the slowest worker's
+    seconds.
     """
     import ray.train
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from recgrid.data import read_dataset
+    from recgrid.data.stream import read_dataset, scan_inputs
 
     out = tempfile.mkdtemp(prefix="recgrid-bench-qps-")
     trainer = TorchTrainer(
         _qps_worker,
         train_loop_config={"spec": spec, "batch_size": batch_size, "num_groups": num_groups, "sync_every": sync_every,
-                           "warmup": warmup, "steps": steps, "out": out},
+                           "warmup": warmup, "steps": steps, "out": out, "inputs": scan_inputs(paths, spec)},
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=os.path.join(out, "ray")),
@@ -218,7 +228,7 @@ def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups:
     shutil.rmtree(out, ignore_errors=True)
     figures: dict = {"T": workers, "M": num_groups, "K": sync_every, "batch_size_per_worker": batch_size,
                      "steps": steps, "warmup": warmup}
-    for mode in ("stream", "memory"):
+    for mode in ("stream", "memory", "units"):
         slowest = max(r[mode]["seconds"] for r in ranks)
         figures[f"qps_{mode}"] = workers * batch_size * min(r[mode]["steps"] for r in ranks) / slowest
         # where a step's time goes, mean over workers: compute slowed by contention vs waiting for data
@@ -226,6 +236,7 @@ def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups:
             phase: round(1000 * sum(r[mode]["phase_seconds"][phase] for r in ranks) / len(ranks) / steps, 2)
             for phase in ("data_wait", "lookup", "dense", "sync")}
     figures["ratio"] = figures["qps_stream"] / figures["qps_memory"]
+    figures["ratio_units"] = figures["qps_units"] / figures["qps_memory"]  # the trainer's own input
     return figures
 
 
@@ -243,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from recgrid.machine import machine_info
-    from recgrid.specs import get_spec
-    from recgrid.synth import write_synth
+    from recgrid.launch.report import machine_info
+    from recgrid.data.specs import get_spec
+    from recgrid.data.synth import write_synth
 
     spec = get_spec(args.spec)
     work = tempfile.mkdtemp(prefix="recgrid-bench-data-")

@@ -19,28 +19,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recgrid.grid import Grid
-from recgrid.local import run_local
-from recgrid.machine import machine_info
-from recgrid.model import ModelSpec
-from recgrid.optimizer import MomentScaledRowWiseAdagrad
-from recgrid.smoke import random_batches
-from recgrid.specs import get_spec
+from recgrid.engine.grid import Grid
+from recgrid.launch.local import run_local
+from recgrid.launch.report import machine_info
+from recgrid.engine.model import ModelSpec
+from recgrid.launch.smoke import random_batches
+from recgrid.data.specs import get_spec
 
 
 def bench_worker(grid: Grid, sync_every: int, steps: int, warmup: int, batch_size: int, spec_name: str,
                  sharding: str) -> dict:
-    from recgrid.train_loop import EngineConfig, build_train_state, train_loop
+    from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec(spec_name)
-    config = EngineConfig(spec=spec, model=ModelSpec(), sync_every=sync_every, sharding=sharding,
-                          embedding_optimizer=MomentScaledRowWiseAdagrad(lr=0.05, moment_scale=grid.num_groups))
-    state = build_train_state(grid, config, torch.device("cpu"))
+    config = EngineConfig(spec=spec, model=ModelSpec(), sync_every=sync_every, sharding=sharding, lr=0.05)  # c = M
+    state = Trainer.build(grid, config, torch.device("cpu"))
     # batches made up front so data generation is not in the step time
     pool = [b for b, _ in zip(random_batches(spec, batch_size, seed=dist.get_rank()), range(32))]
-    train_loop(state, itertools.cycle(pool), warmup)
+    state.run(itertools.cycle(pool), warmup)
     syncs_before = (state.replica_sync.stats.count, state.replica_sync.stats.seconds, state.replica_sync.stats.bytes)
-    result = train_loop(state, itertools.cycle(pool), warmup + steps)
+    result = state.run(itertools.cycle(pool), warmup + steps)
     s = state.replica_sync.stats
     state.replica_sync.close()
     return {

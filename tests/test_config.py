@@ -16,7 +16,7 @@ from recgrid.config import (
     field_docs,
     load_config,
 )
-from recgrid.grid import LAYOUTS, Grid
+from recgrid.engine.grid import LAYOUTS, Grid
 
 
 @pytest.fixture
@@ -141,3 +141,16 @@ def test_every_field_is_documented_and_choices_agree() -> None:
     assert typing.get_args(hints["model"]["sharding"]) == SHARDINGS
     assert typing.get_args(hints["model"]["arch"]) == ARCHS
     assert typing.get_args(hints["optim"]["dense_optimizer"]) == DENSE_OPTIMIZERS
+
+
+def test_readme_config_table_is_the_generated_one() -> None:
+    """The README's config reference is `reference_table()`: docs that restate code drift."""
+    from pathlib import Path
+
+    from recgrid.config import reference_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    begin, end = "<!-- config-table:begin -->\n", "\n<!-- config-table:end -->"
+    assert begin in readme and end in readme
+    assert readme[readme.index(begin) + len(begin):readme.index(end)] == reference_table(), \
+        "README's config table is stale: paste the output of `python -m recgrid.config`"

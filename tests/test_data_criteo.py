@@ -9,10 +9,10 @@ import os
 import pyarrow as pa
 import pytest
 
-from recgrid.criteo import (
+from recgrid.data.criteo import (
     CriteoDataError, expand_inputs, iter_line_chunks, line_part_offsets, parse_lines, read_raw, sniff_format,
 )
-from recgrid.specs import get_spec
+from recgrid.data.specs import get_spec
 
 GOOD = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
 

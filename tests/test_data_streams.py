@@ -14,10 +14,10 @@ import ray
 import torch
 from torchrec.datasets.utils import Batch
 
-from recgrid.criteo import CriteoDataError, PREPARED_SCHEMA, prepared_metadata
-from recgrid.data import collate, iter_batches, memory_batches, read_dataset, synthetic_batches, worker_streams
-from recgrid.specs import DENSE_NAMES, MLPERF_MULTI_HOT_SIZES, SPARSE_NAMES, get_spec
-from recgrid.synth import HiddenModel, raw_table, synth_table
+from recgrid.data.criteo import CriteoDataError, PREPARED_SCHEMA, prepared_metadata
+from recgrid.data.stream import collate, iter_batches, memory_batches, read_dataset, synthetic_batches, worker_streams
+from recgrid.data.specs import DENSE_NAMES, MLPERF_MULTI_HOT_SIZES, SPARSE_NAMES, get_spec
+from recgrid.data.synth import HiddenModel, raw_table, synth_table
 
 # C3 has 10M rows in Kaggle: its id carries each row's global number through every step
 SPEC = get_spec("criteo_kaggle")
@@ -33,7 +33,7 @@ def consumers():
         """Stands in for one training worker: pulls its stream as Batches, returns row numbers."""
 
         def consume(self, stream, spec, batch_size):
-            from recgrid.data import iter_batches
+            from recgrid.data.stream import iter_batches
 
             seen, batches = [], 0
             for b in iter_batches(stream, batch_size, spec, drop_last=False):

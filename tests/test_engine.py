@@ -7,28 +7,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recgrid.grid import Grid
-from recgrid.local import run_local
-from recgrid.model import ModelSpec
-from recgrid.optimizer import MomentScaledRowWiseAdagrad
-from recgrid.smoke import random_batches
-from recgrid.specs import get_spec
+from recgrid.engine.grid import Grid
+from recgrid.launch.local import run_local
+from recgrid.engine.model import ModelSpec
+from recgrid.launch.smoke import random_batches
+from recgrid.data.specs import get_spec
 
 SPEC = get_spec("tiny")
 
 
 def _config(grid, sharding, sync_every, delayed=False, dim=None):
-    from recgrid.train_loop import EngineConfig
+    from recgrid.train.trainer import EngineConfig
 
     return EngineConfig(
         spec=SPEC, model=ModelSpec(embedding_dim=dim),
-        embedding_optimizer=MomentScaledRowWiseAdagrad(lr=0.05, moment_scale=grid.num_groups),
+        lr=0.05,  # c defaults to M
         sync_every=sync_every, delayed_moment_sync=delayed, sharding=sharding, seed=7,
     )
 
 
 def _snapshot(model):
-    from recgrid.sync import embedding_weights, optimizer_states
+    from recgrid.engine.sync import embedding_weights, optimizer_states
 
     return ([w.detach().clone() for w in embedding_weights(model)], [s.clone() for s in optimizer_states(model)])
 
@@ -46,21 +45,21 @@ def m1_vs_plain_dmp(steps: int) -> dict:
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from recgrid.model import build_model
-    from recgrid.sync import embedding_weights
-    from recgrid.train_loop import build_train_state, train_loop
+    from recgrid.engine.model import build_model
+    from recgrid.engine.sync import embedding_weights
+    from recgrid.train.trainer import Trainer
 
     T, rank = dist.get_world_size(), dist.get_rank()
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(steps))]
     grid = Grid(T, 1)
     config = _config(grid, "table_wise", sync_every=1)
 
-    state = build_train_state(grid, config, torch.device("cpu"))
-    ours = train_loop(state, iter(batches), steps)
+    state = Trainer.build(grid, config, torch.device("cpu"))
+    ours = state.run(iter(batches), steps)
 
     # The baseline, written as a TorchRec user would, sharing nothing with recgrid but the model.
     model = build_model(SPEC, config.model, seed=config.seed)
-    opt = config.embedding_optimizer
+    opt = config.embedding_optimizer(grid.num_groups)
     sharder = EmbeddingBagCollectionSharder(fused_params=opt.fused_params())  # c = M = 1: plain lr, eps
     constraints = {f"t_{f}": ParameterConstraints(sharding_types=["table_wise"]) for f in SPEC_FEATURES}
     plan = EmbeddingShardingPlanner(topology=Topology(world_size=T, compute_device="cpu"),
@@ -102,19 +101,19 @@ def test_m1_equals_plain_distributed_model_parallel():
 
 # ---- acceptance 3, 4 (and every sharding type on CPU) --------------------------------------------
 def sync_probe(sharding_types: list[str], steps: int, sync_every: int, delayed: bool = False) -> dict:
-    from recgrid.sharding import sharding_summary
-    from recgrid.train_loop import build_train_state, train_loop
+    from recgrid.engine.sharding import sharding_summary
+    from recgrid.train.trainer import Trainer
 
     T, rank = dist.get_world_size(), dist.get_rank()
     grid = Grid(T, 2)
     out = {}
     for st in sharding_types:
-        state = build_train_state(grid, _config(grid, st, sync_every, delayed), torch.device("cpu"))
+        state = Trainer.build(grid, _config(grid, st, sync_every, delayed), torch.device("cpu"))
         pre, post = [], []
         state.replica_sync.before_sync.append(lambda s: pre.append(_snapshot(state.model)))
         state.replica_sync.after_sync.append(lambda s: post.append(_snapshot(state.model)))
         aligned = _snapshot(state.model)  # right after build: replicas aligned
-        train_loop(state, random_batches(SPEC, 32, seed=rank), steps)
+        state.run(random_batches(SPEC, 32, seed=rank), steps)
         state.replica_sync.close()
         kernel_lrs = sorted({k.get_learning_rate() for k in _kernels(state.model)})
         out[st] = {"pre": pre, "post": post, "aligned": aligned, "dense": _dense(state.model),
@@ -123,7 +122,7 @@ def sync_probe(sharding_types: list[str], steps: int, sync_every: int, delayed: 
 
 
 def _kernels(model):
-    from recgrid.sync import embedding_kernels
+    from recgrid.engine.sync import embedding_kernels
 
     return embedding_kernels(model)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from recgrid.grid import Grid, GridError
+from recgrid.engine.grid import Grid, GridError
 
 
 def test_host_local_t8_m2_matches_design():
@@ -46,7 +46,8 @@ def test_m1_is_one_sharding_group_of_everyone():
     (dict(world_size=6, num_groups=4), "T=6 is not divisible by num_groups M=4"),
     (dict(world_size=4, num_groups=0), "num_groups (M) must be a positive integer, got 0"),
     (dict(world_size=0, num_groups=1), "world_size (T) must be a positive integer, got 0"),
-    (dict(world_size=8, num_groups=4, workers_per_node=2), "M=4 to divide workers_per_node=2"),
+    (dict(world_size=24, num_groups=6, workers_per_node=4),
+     "M=6 to divide workers_per_node=4 or be a multiple of it"),
     (dict(world_size=8, num_groups=2, workers_per_node=3), "not a whole number of nodes"),
     (dict(world_size=8, num_groups=2, layout="diagonal"), "layout must be one of"),
 ])
@@ -59,12 +60,41 @@ def test_invalid_shapes_name_values(kwargs, needle):
 def test_invalid_shape_says_what_would_work():
     with pytest.raises(GridError, match=r"valid values: \[1, 2, 3, 6\]"):
         Grid(6, 4)
-    with pytest.raises(GridError, match=r"use M in \[1, 2\], or layout='inter-host'"):
-        Grid(8, 4, workers_per_node=2)
+    with pytest.raises(GridError, match=r"T=24, W=4 use M in \[1, 2, 4, 8, 12, 24\], or layout='inter-host'"):
+        Grid(24, 6, workers_per_node=4)
 
 
 def test_inter_host_allows_m_not_dividing_workers_per_node():
     assert Grid(8, 4, "inter-host", workers_per_node=2).replica_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_host_local_with_m_a_multiple_of_workers_per_node_spans_whole_nodes():
+    # T=16 on 8 nodes of 2, M=4: each replica group is 2 whole nodes; a sharding group has one
+    # member on every other node
+    g = Grid(16, 4, workers_per_node=2)
+    assert g.replica_groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert g.sharding_groups == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert g.sharding_group_per_node == 1
+    assert Grid(16, 2, workers_per_node=4).sharding_group_per_node == 2  # M divides W: W/M per node
+    # the paper's 4096 GPUs with sharding groups of 256 on 8-GPU nodes: M=16, two nodes per replica group
+    big = Grid(4096, 16, workers_per_node=8)
+    assert big.replica_groups[3] == list(range(48, 64)) and big.sharding_group_per_node == 1
+    big.check_placement([f"n{r // 8}" for r in range(4096)])
+
+
+def test_check_placement_of_replica_groups_on_whole_nodes():
+    nodes = [n for n in "abcd" for _ in range(2)]  # 4 nodes x 2 workers, contiguous ranks
+    Grid(8, 4, workers_per_node=2).check_placement(nodes)  # replica groups {a,b} and {c,d}
+    Grid(8, 4).check_placement(nodes)  # workers_per_node unknown: the node ids decide
+    with pytest.raises(GridError) as e:  # M=2 on nodes of 3, 1 and 4 workers: ranks 2, 3 straddle a and b
+        Grid(8, 2).check_placement(["a", "a", "a", "b", "c", "c", "c", "c"])
+    assert "replica group 1 (ranks [2, 3]) spans nodes ['a', 'b'] and shares node(s) ['a']" in str(e.value)
+    assert "M=2" in str(e.value)
+    uneven = ["a", "a", "a", "b", "b", "b", "b", "b"]  # replica group 0 = a's 3 + one of b's 5
+    with pytest.raises(GridError) as e:
+        Grid(8, 4).check_placement(uneven)
+    assert "replica group 1 (ranks [4, 5, 6, 7])" not in str(e.value)  # group 1 is b's alone
+    assert "replica group 0 (ranks [0, 1, 2, 3]) spans nodes ['a', 'b'] and shares node(s) ['b']" in str(e.value)
 
 
 def test_check_placement_on_real_node_ids():

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recgrid.metrics import (
+from recgrid.engine.device import peak_memory_mb
+from recgrid.train.metrics import (
     EvalMetrics,
     PhaseTimer,
     TrainMetrics,
-    peak_memory_mb,
     prediction_sums,
     ne_from_sums,
     reduce_metrics,
@@ -212,3 +212,18 @@ def test_gloo_reduction_equals_single_process_over_all_rows(tmp_path) -> None:
     assert got["time/sync_s"] == pytest.approx(0.5) and got["time/dense_s"] == 0.0
     assert got["memory/peak_mb_max"] >= got["memory/peak_mb_mean"] > 10
     assert math.isfinite(got["train/qps"]) and got["train/qps"] > 0
+
+
+def test_readme_metrics_table_is_the_modules() -> None:
+    from pathlib import Path
+
+    import recgrid.train.metrics as metrics
+
+    doc = metrics.__doc__
+    table = doc[doc.index("| name | meaning |"):]
+    table = table[:table.index("\n\n")]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    begin, end = "<!-- metrics-table:begin -->\n", "\n<!-- metrics-table:end -->"
+    assert readme[readme.index(begin) + len(begin):readme.index(end)] == table
+    for phase in metrics.PHASES:  # every phase the trainer times is explained
+        assert f"`{phase}`" in table, phase

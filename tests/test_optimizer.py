@@ -10,7 +10,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from recgrid.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer, reference_step
+from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer, reference_step
 
 ROWS, DIM, LR, EPS = 12, 4, 0.1, 1e-3
 # (ids, offsets) per step: repeated ids inside and across bags, some rows never touched

@@ -8,7 +8,7 @@ import shlex
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recgrid.tracking import (
+from recgrid.launch.tracking import (
     MAX_PARAM_VAL_LENGTH,
     Tracker,
     default_tracking_uri,
@@ -108,3 +108,43 @@ def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None
 
     cmd = shlex.split(tracker.ui_command())
     assert cmd[0].endswith("mlflow") and cmd[1:] == ["ui", "--backend-store-uri", env_uri]
+
+
+def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -> None:
+    """MLflow 3's UI shows an experiment without `mlflow.experimentKind = custom_model_development`
+    as a GenAI overview of traces: new experiments carry it, existing ones get it."""
+    from recgrid.launch.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+
+    client = MlflowClient(tracking_uri=store)
+    parent = Tracker(experiment="t-kind", tracking_uri=store).start("sweep")
+    assert client.get_experiment(parent.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    child = Tracker(experiment="t-kind", tracking_uri=store).start("T4-M2-K1", parent_run_id=parent.run_id)
+    assert client.get_run(child.run_id).data.tags["mlflow.parentRunId"] == parent.run_id
+    assert "mlflow.parentRunId" not in client.get_run(parent.run_id).data.tags
+    # MLflow 3.17's UI shows GenAI views unless the page's URL asks for the training view
+    assert parent.ui_url("artifacts") == (f"http://127.0.0.1:5000/#/experiments/{parent.experiment_id}/runs/"
+                                          f"{parent.run_id}/artifacts?workflowType=machine_learning")
+    old = client.create_experiment("t-kind-old")  # made by hand, or before recgrid tagged experiments
+    client.set_experiment_tag(old, EXPERIMENT_KIND_TAG, "genai_development")
+    Tracker(experiment="t-kind-old", tracking_uri=store).start("x")
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+
+def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
+    import time
+
+    from recgrid.launch.tracking import start_system_metrics
+
+    tracker = Tracker(experiment="t-system", tracking_uri=store).start("x")
+    monitor = start_system_metrics(tracker.run_id, "node-a", store, sampling_interval_s=0.2)
+    assert monitor is not None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = MlflowClient(tracking_uri=store).get_run(tracker.run_id).data.metrics
+        if "system/node-a/cpu_utilization_percentage" in metrics:
+            break
+        time.sleep(0.2)
+    monitor.finish()
+    tracker.finish()
+    names = MlflowClient(tracking_uri=store).get_run(tracker.run_id).data.metrics
+    assert {"system/node-a/cpu_utilization_percentage", "system/node-a/system_memory_usage_megabytes"} <= names.keys()

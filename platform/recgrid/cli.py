@@ -37,7 +37,7 @@ def _add_smoke(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="dlrm", choices=["dlrm", "dcn"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
-    p.set_defaults(handler="recgrid.smoke:run_cli")
+    p.set_defaults(handler="recgrid.launch.smoke:run_cli")
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
@@ -51,8 +51,13 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="fixes the planted model; same arguments, same bytes")
     p.add_argument("--stream", type=int, default=0,
                    help="an independent draw from the same planted model: 0 for training, 1 for held-out data")
+    p.add_argument("--interaction-groups", type=int, default=0, metavar="N",
+                   help="plant pairwise interactions within N known groups of features (printed), for `recgrid "
+                        "towers` to recover; 0 (default): none, and the output is what it always was")
+    p.add_argument("--interaction-strength", type=float, default=1.0,
+                   help="standard deviation of each group's interaction term in the logit (default 1.0)")
     p.add_argument("--max-rows-per-table", type=int, default=None, help="cap every table's rows (the id modulus)")
-    p.set_defaults(handler="recgrid.synth:run_cli")
+    p.set_defaults(handler="recgrid.data.synth:run_cli")
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -65,26 +70,100 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="skip and count bad rows; fail if more than this fraction of lines is bad "
                         "(default 0: stop at the first)")
     p.add_argument("--max-rows-per-table", type=int, default=None, help="cap every table's rows (the id modulus)")
-    p.set_defaults(handler="recgrid.prepare:run_cli")
+    p.set_defaults(handler="recgrid.data.prepare:run_cli")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="run a 2-D sparse-parallel training job on Ray")
     p.add_argument("config", help="job config YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.set_defaults(handler="recgrid.launcher:run_cli")
+    p.set_defaults(handler="recgrid.launch.ray:run_cli")
+
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="submit a training job to a running Ray cluster (Ray Job API) and follow it")
+    p.add_argument("config", help="job config YAML, inside the current directory (which is shipped with the job)")
+    p.add_argument("--address", default=None,
+                   help="the cluster's dashboard / Job API, e.g. http://head:8265 (default: $RAY_ADDRESS)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return instead of following its logs")
+    p.set_defaults(handler="recgrid.launch.submit:run_cli")
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="run the job at several group counts M (and K); one MLflow parent run, "
+                                       "the paper's Table 1 relative to M=1")
+    p.add_argument("config", help="job config YAML (T, data, model and batch are shared by every configuration)")
+    p.add_argument("--groups", "-M", required=True, metavar="M[,M...]", help="group counts to compare, e.g. 1,2,4")
+    p.add_argument("--sync-every", "-K", default=None, metavar="K[,K...]",
+                   help="sync intervals to compare for every M > 1 (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.set_defaults(handler="recgrid.launch.compare:run_cli")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The model and cluster arguments `plan` and `simulate` share."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spec", help="dataset spec: tiny, criteo_kaggle, criteo_1tb (+multihot) or a spec .yaml")
+    src.add_argument("--tables", help="tables YAML: tables: [{name, rows, dim, pooling}] (pooling = mean ids per sample)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="G, GPUs per node (default 8)")
+    p.add_argument("--batch-per-gpu", type=int, required=True, help="B, samples per GPU per step")
+    p.add_argument("--hbm-gb", type=float, default=None, help="GPU memory in GB (default: the GPU's, 80)")
+    p.add_argument("--gpu", default="h100-sxm", help="hardware profile of the published figures (h100-sxm)")
+    p.add_argument("--intra-node-gbps", type=float, default=None, help="override NVLink bandwidth per GPU, GB/s")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="override NIC bandwidth per GPU, GB/s")
+    p.add_argument("--sync-every", default="1,5,25", metavar="K[,K...]",
+                   help="sync intervals K to consider (default 1,5,25)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict step time, memory and QPS for every M dividing T; recommend M and K")
+    p.add_argument("--gpus", "-T", type=int, required=True, help="T, the number of GPUs")
+    _add_cluster_args(p)
+    p.set_defaults(handler="recgrid.plan.planner:run_cli")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="full model parallelism vs 2-D at many GPU counts: QPS, scaling, memory")
+    p.add_argument("--gpus", required=True, metavar="T[,T...]", help="GPU counts, e.g. 256,512,1024,2048,4096")
+    p.add_argument("--sharding-group-size", "-L", type=int, required=True, help="L, workers per 2-D sharding group")
+    _add_cluster_args(p)
+    p.set_defaults(handler="recgrid.plan.simulate:run_cli")
+
+
+def _add_towers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("towers", help="partition the features into towers (Disaggregated Multi-Tower) from a short "
+                                      "run; writes the file model.towers reads")
+    p.add_argument("--data", required=True, help="glob of training files (Criteo TSV, .gz or parquet)")
+    p.add_argument("--spec", default="tiny", help="dataset spec: tiny, criteo_kaggle, criteo_1tb or a .yaml")
+    p.add_argument("--towers", "-N", type=int, required=True, help="N, towers per sharding group")
+    p.add_argument("--strategy", default="coherent", choices=["coherent", "diverse"],
+                   help="coherent: strongly interacting features share a tower; diverse: they are spread out")
+    p.add_argument("--out", required=True, help="the partition file to write (JSON)")
+    p.add_argument("--steps", type=int, default=400, help="steps of the short run (default 400)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--samples", type=int, default=4096, help="samples whose pooled embeddings are compared")
+    p.add_argument("--checkpoint", default=None, help="a storage checkpoint to read the embeddings from instead")
+    p.add_argument("--embedding-dim", type=int, default=None, help="default: the spec's")
+    p.add_argument("--dims", type=int, default=4, help="dimensions of the fitted coordinates (default 4)")
+    p.add_argument("--balance", type=float, default=1.5, help="largest tower <= balance x smallest (default 1.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(handler="recgrid.launch.towers:run_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recgrid", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_layout, _add_smoke, _add_synth, _add_prepare, _add_train):
+    for add in (_add_layout, _add_smoke, _add_synth, _add_prepare, _add_train, _add_submit, _add_compare, _add_plan,
+                _add_simulate, _add_towers):
         add(sub)
     return parser
 
 
 def run_layout(args: argparse.Namespace) -> int:
-    from recgrid.grid import Grid, GridError
+    from recgrid.engine.grid import Grid, GridError
 
     try:
         grid = Grid(

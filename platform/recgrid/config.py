@@ -7,8 +7,9 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 `optim.lr: must be > 0, got -0.1`.
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
-properties (`embedding_dim`, `dense_arch`, `moment_scale`, `run_name`) from the dataset spec
-and the grid, so changing `grid.num_groups` later never leaves a stale `c` behind.
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `run_name`) from the
+dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
+`c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
 
 Relative paths and globs in `data` are relative to the current directory (where `recgrid
@@ -28,15 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-from recgrid.grid import Grid, GridError
-from recgrid.specs import DatasetSpec, SpecError, get_spec
-
-# The choices a job can name; model.py, optimizer.py and sharding.py use these same tuples.
-SHARDINGS: tuple[str, ...] = (
-    "auto", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "grid_shard",
-)
-ARCHS: tuple[str, ...] = ("dlrm", "dcn")
-DENSE_OPTIMIZERS: tuple[str, ...] = ("adagrad", "adam", "sgd")
+from recgrid.data.specs import DatasetSpec, SpecError, get_spec
+from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
+from recgrid.engine.grid import LAYOUTS, Grid, GridError
+from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES
+from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
+from recgrid.engine.sharding import SHARDINGS
+from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
 
 class ConfigError(ValueError):
@@ -54,10 +53,12 @@ class GridConfig:
     """M: number of sharding groups, i.e. full model copies; must divide T. M = 1 is TorchRec's ordinary full model parallelism."""
     sync_every: int = 1
     """K: steps between two replica-group syncs of embedding weights and optimizer states (1 = every step)."""
-    layout: Literal["host-local", "inter-host"] = "host-local"
+    layout: Literal[LAYOUTS] = "host-local"
     """Rank layout: "host-local" puts each replica group on one host (fast sync); "inter-host" spreads it over hosts (survives losing a host)."""
     delayed_moment_sync: bool = False
     """Sync optimizer states one sync interval behind the weights, as the TorchRec team reports works best."""
+    min_world_size: int | None = None
+    """Elastic jobs: the fewest workers the job goes on with after losing capacity, a multiple of L = T / M (it trains M' = n // L sharding groups, no resharding, and grows back when capacity returns); null = T, a fixed size."""
 
     def __call__(self) -> Grid:
         """`cfg.grid()`: the `recgrid.grid.Grid` of this section (same as `JobConfig.build_grid()`)."""
@@ -68,7 +69,7 @@ class GridConfig:
 class ModelConfig:
     """The DLRM-family model and how its embedding tables are sharded inside a sharding group."""
 
-    arch: Literal["dlrm", "dcn"] = "dlrm"
+    arch: Literal[ARCHS] = "dlrm"
     """Model: "dlrm" (dot interaction) or "dcn" (DLRM with a low-rank DCN-v2 cross interaction)."""
     embedding_dim: int | None = None
     """Embedding dimension of every table; null = the dataset spec's default."""
@@ -80,8 +81,16 @@ class ModelConfig:
     """Cross layers of the DCN interaction (arch "dcn" only)."""
     dcn_low_rank_dim: int = 16
     """Rank of the low-rank cross layers (arch "dcn" only)."""
-    sharding: Literal["auto", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "grid_shard"] = "auto"
+    sharding: Literal[SHARDINGS] = "auto"
     """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table."""
+    embedding_dtype: Literal[EMBEDDING_DTYPES] = "fp32"
+    """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory and replica-sync bytes. GPU workers only."""
+    towers: str | None = None
+    """Disaggregated Multi-Tower: N towers per sharding group, as a count (feature f in tower f % N) or a partition file written by `recgrid towers`. A tower is L / N workers of a sharding group on one host (or whole hosts) holding its features' tables (single-hot column-wise, multi-hot row-wise); embeddings return by SPTT: an intra-tower all-to-all, then one among the N peers across hosts. null = TorchRec's flat exchange (model.sharding applies). Storage checkpoints are not supported yet."""
+    tower_module: Literal[TOWER_MODULES] = "none"
+    """DMT only: the dense module each tower runs on its embeddings before the cross-host exchange: "none" (pass-through, the flat exchange's numbers), "dlrm" (the paper's Listing 1: a linear to p·D plus a projection to c·D) or "dcn" (a one-layer low-rank CrossNet and a linear)."""
+    tower_compression: float = 1.0
+    """DMT only: CR of the tower modules: a tower of F_t features sends max(1, round(F_t / CR)) embeddings across hosts instead of F_t, so cross-host bytes shrink by about CR."""
 
 
 @dataclass
@@ -104,6 +113,10 @@ class DataConfig:
     """Training rows to generate when synth_if_missing applies."""
     synth_eval_rows: int = 20_000
     """Evaluation rows to generate when synth_if_missing applies."""
+    rows_per_unit: int = 65_536
+    """An epoch is the training files cut into ranges of at most this many rows, in an order drawn from the seed; the data cursor counts steps through them, so a restore resumes exactly."""
+    row_log: str | None = None
+    """Audits: a directory where every worker appends the (step, row id) of each row it trains (synthetic parquet data carries row ids); null = off."""
 
 
 @dataclass
@@ -121,11 +134,25 @@ class TrainConfig:
     seed: int = 0
     """Seed for model initialisation and data order."""
     use_gpu: bool = False
-    """One GPU per worker and NCCL; false = CPU workers and gloo."""
+    """One GPU per worker and NCCL; false = CPU workers and gloo. GPU workers train through TorchRec's TrainPipelineSparseDist (host-to-device copy and input all-to-all overlapped with compute) and time phases with CUDA events."""
+    precision: Literal[PRECISIONS] | None = None
+    """Dense compute precision: "fp32", "tf32" (fp32 tensors, TensorFloat-32 matmuls) or "bf16" (bfloat16 autocast of the forward, TF32 for the rest); null = "tf32" on GPU workers, "fp32" on CPU. tf32 and bf16 need GPU workers."""
     cpus_per_worker: float = 0.5
     """CPUs Ray reserves per worker; fractional so T=4 workers fit a 2-core machine."""
     max_failures: int = 0
-    """Worker failures the job survives (Ray Train's FailureConfig); 0 = fail on the first."""
+    """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
+    fault_tolerance: Literal["restart", "torchft"] = "restart"
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other replicas keep running and only the failed one is replaced and healed from a live peer (needs L = 1: grid.num_groups = grid.world_size)."""
+    snapshot_every_syncs: int = 1
+    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none."""
+    checkpoint_every: int = 0
+    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path); a multiple of grid.sync_every, so replicas are identical when written; 0 = none."""
+    storage_path: str | None = None
+    """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the repository (or $RECGRID_RUNS_DIR/ray)."""
+    resume_from: str | None = None
+    """A storage checkpoint directory to start from, written by a job with the same model at any M or L (it is resharded); null = start fresh."""
+    resize_check_s: float = 60.0
+    """Elastic jobs: seconds between checks for regained capacity (Ray Train's elastic_resize_monitor_interval_s)."""
 
 
 @dataclass
@@ -138,7 +165,7 @@ class OptimConfig:
     """AdaGrad epsilon: w -= lr * g / (sqrt(v / c) + eps)."""
     moment_scale: float | None = None
     """c, the moment scale of row-wise AdaGrad; null = M (the group count)."""
-    dense_optimizer: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    dense_optimizer: Literal[DENSE_OPTIMIZERS] = "adagrad"
     """Optimizer of the dense (data-parallel) part."""
     dense_lr: float = 0.01
     """Learning rate of the dense part."""
@@ -177,13 +204,18 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    _: dataclasses.KW_ONLY
+    check_paths: dataclasses.InitVar[bool] = True
+    """Construction only: false skips checking that local data globs match files here (a config
+    validated for another machine, e.g. a cluster job's, whose data lives on the cluster)."""
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def __post_init__(self, check_paths: bool = True) -> None:
+        self.validate(check_paths=check_paths)
 
     # ---- validation: the one place ----------------------------------------------------------------
-    def validate(self) -> None:
-        """Check types and values of every field; raise `ConfigError` naming the first bad field."""
+    def validate(self, *, check_paths: bool = True) -> None:
+        """Check types and values of every field; raise `ConfigError` naming the first bad field.
+        With `check_paths` false, local data globs need not match any file on this machine."""
         for name, cls in SECTIONS.items():
             section = getattr(self, name)
             if not isinstance(section, cls):
@@ -202,6 +234,12 @@ class JobConfig:
                 f"valid values for T={g.world_size}: {valid}"
             )
         _at_least("grid.sync_every", g.sync_every, 1)
+        if g.min_world_size is not None:
+            L = g.world_size // g.num_groups
+            if not 1 <= g.min_world_size <= g.world_size or g.min_world_size % L:
+                raise ConfigError(
+                    f"grid.min_world_size: must be a multiple of L = T / M = {L} between {L} and T={g.world_size} "
+                    f"(whole sharding groups), got {g.min_world_size}")
         try:
             self.build_grid()
         except GridError as e:
@@ -225,6 +263,26 @@ class JobConfig:
             raise ConfigError(f"model.over_arch: must end in 1 (one logit per row), got {m.over_arch}")
         _at_least("model.dcn_num_layers", m.dcn_num_layers, 1)
         _at_least("model.dcn_low_rank_dim", m.dcn_low_rank_dim, 1)
+        if m.towers is None and (m.tower_module != "none" or m.tower_compression != 1.0):
+            raise ConfigError("model.tower_module: tower modules and their compression need model.towers "
+                              "(a tower count or a partition file)")
+        if m.towers is not None:
+            if m.tower_module == "none" and m.tower_compression != 1.0:
+                raise ConfigError(f"model.tower_compression: {m.tower_compression} needs a tower module "
+                                  f"(model.tower_module: dlrm or dcn); pass-through towers compress nothing")
+            if check_paths or str(m.towers).strip().isdigit():
+                try:
+                    TowerLayout(self.build_grid(), self.tower_config().num_towers)  # type: ignore[union-attr]
+                except TowerError as e:
+                    raise ConfigError(f"model.towers: {e}") from None
+            if self.train.checkpoint_every or self.train.resume_from:
+                raise ConfigError("model.towers: storage checkpoints of tower models are not supported yet; "
+                                  "leave train.checkpoint_every at 0 and train.resume_from unset (in-memory "
+                                  "snapshots and peer recovery work)")
+        if m.embedding_dtype in GPU_EMBEDDING_DTYPES and not self.train.use_gpu:
+            raise ConfigError(
+                f"model.embedding_dtype: {m.embedding_dtype} tables need GPU workers (train.use_gpu: true); "
+                f"CPU workers keep fp32 tables, set fp32")
 
         if not d.train:
             raise ConfigError("data.train: required: one or more globs of Criteo TSV, .gz or parquet files")
@@ -232,7 +290,7 @@ class JobConfig:
             for pattern in patterns:
                 if not pattern.strip():
                     raise ConfigError(f"{path}: empty glob in {patterns}")
-                if not d.synth_if_missing and not _matches(pattern):
+                if check_paths and not d.synth_if_missing and not _matches(pattern):
                     raise ConfigError(
                         f"{path}: no file matches {pattern!r} (relative to {os.getcwd()}); "
                         f"fix the glob, or set data.synth_if_missing: true to generate synthetic data there"
@@ -245,7 +303,25 @@ class JobConfig:
         _at_least("train.eval_every", t.eval_every, 0)
         _at_least("train.log_every", t.log_every, 1)
         _positive("train.cpus_per_worker", t.cpus_per_worker)
+        if t.precision in GPU_PRECISIONS and not t.use_gpu:
+            raise ConfigError(
+                f"train.precision: {t.precision} needs GPU workers (train.use_gpu: true); CPU workers compute in "
+                f"fp32, leave it null or set fp32")
         _at_least("train.max_failures", t.max_failures, 0)
+        _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
+        _at_least("train.checkpoint_every", t.checkpoint_every, 0)
+        if t.checkpoint_every % g.sync_every:
+            raise ConfigError(
+                f"train.checkpoint_every: must be a multiple of grid.sync_every K={g.sync_every} (checkpoints are "
+                f"written at sync steps, when the replicas are identical), got {t.checkpoint_every}")
+        _positive("train.resize_check_s", t.resize_check_s)
+        if t.resume_from is not None and "://" not in t.resume_from:
+            if not (Path(t.resume_from) / ".metadata").is_file():
+                raise ConfigError(f"train.resume_from: {t.resume_from} is not a storage checkpoint directory "
+                                  f"(no .metadata in it)")
+        _at_least("data.rows_per_unit", d.rows_per_unit, 1)
+        if t.fault_tolerance == "torchft":
+            self._check_torchft()
 
         _positive("optim.lr", o.lr)
         _positive("optim.eps", o.eps)
@@ -254,6 +330,30 @@ class JobConfig:
         _positive("optim.dense_lr", o.dense_lr)
         if not self.tracking.experiment.strip():
             raise ConfigError("tracking.experiment: must not be empty")
+
+    def _check_torchft(self) -> None:
+        """What train.fault_tolerance=torchft can carry with Ray 2.60 and torchft 0.2 (train/ft.py)."""
+        g, t = self.grid, self.train
+        L = g.world_size // g.num_groups
+        if L != 1:
+            raise ConfigError(
+                f"train.fault_tolerance: torchft needs L = T / M = 1 (grid.num_groups = grid.world_size, every worker "
+                f"a whole model copy), got T={g.world_size} M={g.num_groups} L={L}: Ray 2.60 replaces single-worker "
+                f"replica groups only, so a sharding group of L > 1 workers cannot be replaced alone; use "
+                f"train.fault_tolerance=restart (recovery from in-memory copies)")
+        if g.min_world_size is not None and g.min_world_size != g.world_size:
+            raise ConfigError(
+                f"grid.min_world_size: elastic jobs are not supported with train.fault_tolerance=torchft: Ray 2.60 "
+                f"replaces failed replica groups only at a fixed worker count (a resize restarts every worker); "
+                f"leave it null (or {g.world_size}), or use train.fault_tolerance=restart")
+        if g.delayed_moment_sync:
+            raise ConfigError("grid.delayed_moment_sync: not supported with train.fault_tolerance=torchft (the "
+                              "replica sync goes through torchft's manager and commits with the step)")
+        for path, value in (("train.checkpoint_every", t.checkpoint_every), ("train.resume_from", t.resume_from)):
+            if value:
+                raise ConfigError(f"{path}: storage checkpoints are not written or read with "
+                                  f"train.fault_tolerance=torchft yet (a replacement heals from a live peer); "
+                                  f"leave it unset, or use train.fault_tolerance=restart")
 
     # ---- derived values -------------------------------------------------------------------------
     def build_grid(self) -> Grid:
@@ -278,10 +378,31 @@ class JobConfig:
         return list(self.model.dense_arch) if self.model.dense_arch is not None else [64, self.embedding_dim]
 
     @property
+    def precision(self) -> str:
+        """`train.precision`, or the device's default (tf32 on GPU workers, fp32 on CPU)."""
+        return self.train.precision or default_precision(self.train.use_gpu)
+
+    def tower_config(self) -> TowerConfig | None:
+        """The DMT towers of `model.towers` (reads the partition file), or None: the flat exchange."""
+        m = self.model
+        if m.towers is None:
+            return None
+        return TowerConfig.from_option(m.towers, module=m.tower_module, compression=m.tower_compression)
+
+    @property
     def moment_scale(self) -> float:
         """c: `optim.moment_scale`, or M."""
-        c = self.optim.moment_scale
-        return float(self.grid.num_groups) if c is None else float(c)
+        return moment_scale_for(self.grid.num_groups, self.optim.moment_scale)
+
+    def run_params(self) -> dict[str, Any]:
+        """The MLflow params of a job: every config value, plus T, M, L, K, c and the layout
+        under the names the paper uses."""
+        grid = self.build_grid()
+        return {
+            **self.to_flat_dict(),
+            "world_size": grid.world_size, "num_groups": grid.num_groups, "group_size": grid.group_size,
+            "sync_every": self.grid.sync_every, "moment_scale": self.moment_scale, "layout": grid.layout,
+        }
 
     @property
     def run_name(self) -> str:
@@ -295,32 +416,35 @@ class JobConfig:
 
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
-        derived value (embedding_dim, dense_arch, moment_scale, run_name) carry it."""
+        derived value (embedding_dim, dense_arch, moment_scale, precision, run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
                 "model.embedding_dim": self.embedding_dim,
                 "model.dense_arch": self.dense_arch,
                 "optim.moment_scale": self.moment_scale,
+                "train.precision": self.precision,
                 "tracking.run_name": self.run_name,
             })
         return flat
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None) -> "JobConfig":
+    def from_dict(cls, raw: Mapping[str, Any], source: str | None = None, *, check_paths: bool = True) -> "JobConfig":
         """Build and validate from `{"section": {"field": value}}`; unknown keys are errors
-        (naming `source`, e.g. the YAML file, when given)."""
+        (naming `source`, e.g. the YAML file, when given). `check_paths`: see `JobConfig.check_paths`."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{source or 'config'}: must be a mapping of sections {list(SECTIONS)}, got {type(raw).__name__}")
         _check_keys(raw, source)
         sections = {name: SECTIONS[name](**(values or {})) for name, values in raw.items()}
-        return cls(**sections)
+        return cls(**sections, check_paths=check_paths)
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
+                check_paths: bool = True) -> JobConfig:
     """Read a job YAML (or start from defaults when `path` is None), apply `section.field=value`
-    overrides in order, validate, and return the `JobConfig`."""
+    overrides in order, validate, and return the `JobConfig`. With `check_paths` false, local data
+    globs need not match files here (validating a cluster job's config on a laptop)."""
     import yaml
 
     raw: dict[str, Any] = {}
@@ -351,7 +475,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(f"{key}: unknown key in --set; valid keys in {section}: {', '.join(valid)}")
         raw.setdefault(section, None)
         raw[section] = {**(raw[section] or {}), name: _parse_scalar(text)}
-    return JobConfig.from_dict(raw, source=source)
+    return JobConfig.from_dict(raw, source=source, check_paths=check_paths)
 
 
 def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
@@ -394,6 +518,24 @@ def field_docs() -> dict[str, str]:
                         and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)):
                     docs[f"{classes[node.name]}.{a.target.id}"] = str(b.value.value).strip()
     return docs
+
+
+def reference_table() -> str:
+    """The README's job config reference, as Markdown: every field's key, default and docstring
+    (the README holds exactly this between its config-table markers; a test checks it)."""
+    docs = field_docs()
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            doc = docs[f"{section}.{f.name}"]
+            if doc.startswith("Required."):
+                default = "(required)"
+            lines.append(f"| `{section}.{f.name}` | `{default}` | {docs[f'{section}.{f.name}']} |")
+    return "\n".join(lines)
 
 
 # ---- field checks -------------------------------------------------------------------------------
@@ -461,3 +603,7 @@ def _matches(pattern: str) -> bool:
     if "://" in pattern:
         return True  # remote storage: Ray Data reads and checks it
     return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
+
+
+if __name__ == "__main__":  # python -m recgrid.config: print the README's config reference
+    print(reference_table())

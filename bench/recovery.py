@@ -1,0 +1,158 @@
+"""Recovery time and snapshot overhead, for restores from peers (in-memory copies) and from
+storage checkpoints, on a tiny model and on a model of about 1 GB of tables.
+
+For each model and source, one T=4, M=2, K=5 job on a local Ray cluster has one worker
+SIGKILLed after a few syncs; the seconds from the kill to the first step after the restore are
+split into
+  detection   kill -> Ray Train's controller sees the failure (our callback's clock)
+  restart     -> the new worker group has built its trainer and starts restoring
+  restore     -> the state is back (peer: fetched from the holders; storage: DCP load)
+  first_step  -> the first training step after the restore has finished
+The storage runs keep no in-memory copies (train.snapshot_every_syncs=0), so they must read
+the checkpoint. Snapshot overhead is the time workers spend handing copies to the holders
+(phase `snapshot`) per step, over the step time, measured in the peer runs before the kill.
+
+Writes bench/results/recovery.json (configuration, machine, figures) and prints it.
+
+    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODELS = {
+    # the demo's tiny tables: 0.6 M rows x 16 dims
+    "tiny": ["data.spec=tiny"],
+    # Criteo Kaggle's cardinalities capped at 3 M rows per table, dim 16: 14.8 M rows, ~0.95 GB of
+    # fp32 weights plus ~0.06 GB of row-wise moments per model copy
+    "1gb": ["data.spec=criteo_kaggle", "data.max_rows_per_table=3000000", "model.embedding_dim=16"],
+}
+
+
+def run_case(tmp: Path, model: str, source: str, kill_after_step: int) -> dict:
+    import ray
+
+    from recgrid.config import load_config
+    from recgrid.launch.ray import run_job
+
+    steps = kill_after_step + 30
+    overrides = [
+        f"data.train={tmp}/data/{model}/train/*.parquet", f"data.eval=[]", "data.synth_rows=120000",
+        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
+        f"train.max_steps={steps}", "train.batch_size=128", "train.log_every=5", "train.max_failures=1",
+        "train.checkpoint_every=10", f"train.storage_path={tmp}/storage/{model}-{source}",
+        f"train.snapshot_every_syncs={1 if source == 'peer' else 0}",
+        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
+        *MODELS[model],
+    ]
+    config = load_config(REPO / "jobs/local_demo.yaml", overrides)
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
+    job.start()
+    kill = None
+    while job.is_alive() and kill is None:
+        c = box.get("c")
+        st = ray.get(c.status.remote()) if c is not None else None
+        # kill right after a snapshot/checkpoint step's successor, the same place in every case
+        if st and st["attempts"] and st["last_step"] >= kill_after_step:
+            workers = st["attempts"][0]["workers"]
+            victim = workers[1]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
+        time.sleep(0.05)
+    job.join()
+    result = box["result"]
+    if result.status != "FINISHED" or not result.events:
+        raise RuntimeError(f"{model}/{source}: the job did not recover: {result.status} {result.error}")
+    (e,) = result.events
+    if e["source"] != source:
+        raise RuntimeError(f"{model}/{source}: restored from {e['source']}, expected {source}")
+    figures = {
+        "kill_step": kill["step"], "restored_step": e["step"], "steps_lost": e["steps_lost"],
+        "seconds": {
+            "detection": e["t_failure_detected"] - kill["time"],
+            "restart": e["t_restore_start"] - e["t_failure_detected"],
+            "restore": e["t_restore_end"] - e["t_restore_start"],
+            "first_step": e["t_first_step"] - e["t_restore_end"],
+            "total": e["t_first_step"] - kill["time"],
+        },
+        "verify_s": e.get("verify_s"),
+    }
+    figures["seconds"] = {k: round(v, 3) for k, v in figures["seconds"].items()}
+    if source == "peer":
+        figures["snapshot_overhead"] = snapshot_overhead(config, result.run_id, kill["step"])
+    return figures
+
+
+def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
+    """Seconds in the snapshot phase per step over the step time, from the run's intervals that
+    ended before the kill (the slowest worker's, as the job waits for it)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
+
+    def series(name: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, name) if m.step <= before_step}
+
+    snap, interval, steps = series("time/snapshot_s_max"), series("time/interval_s"), series("train/step_time_s")
+    common = sorted(set(snap) & set(interval) & set(steps))[1:]  # the first interval holds start-up
+    snap_s = sum(snap[s] for s in common)
+    wall = sum(interval[s] for s in common)
+    return {"intervals": len(common), "snapshot_s": round(snap_s, 4), "interval_s": round(wall, 3),
+            "overhead": round(snap_s / wall, 4) if wall else None, "sync_every": config.grid.sync_every}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,1gb")
+    ap.add_argument("--kill-after-step", type=int, default=21, help="kill once the job passed this step")
+    ap.add_argument("--out", default=str(REPO / "bench/results/recovery.json"))
+    a = ap.parse_args()
+
+    import ray
+
+    from recgrid.launch.report import machine_info
+
+    tmp = Path(tempfile.mkdtemp(prefix="recgrid-bench-recovery-"))
+    os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
+    ray.init(num_cpus=3, runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}},
+             logging_level="WARNING")
+    results: dict = {}
+    try:
+        for model in a.models.split(","):
+            for source in ("peer", "storage"):
+                print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
+                results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step)
+                print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()
+    for model, r in results.items():
+        if "peer" in r and "storage" in r:
+            r["peer_over_storage_restore"] = round(r["peer"]["seconds"]["restore"] / r["storage"]["seconds"]["restore"], 4)
+    out = {
+        "benchmark": "recovery",
+        "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
+                          "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
+                          "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
+                          "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
+        "machine": machine_info(),
+        "results": results,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

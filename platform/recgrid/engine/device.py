@@ -1,0 +1,214 @@
+"""The one place where CPU and GPU differ: which device a worker computes on and which backend
+its process groups use, whether the training loop runs TorchRec's pipeline, how device work is
+timed, and in what precision dense compute runs. Everything else takes a `torch.device` and
+asks here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the sharding choices and config validation reach this module without torch
+    import torch
+
+
+# Dense compute precisions a job can name (config.py's train.precision takes them from here):
+# "fp32" IEEE float32 matmuls; "tf32" float32 tensors with TensorFloat-32 matmuls (Ampere and
+# later); "bf16" bfloat16 autocast of the forward, TF32 for what autocast leaves in float32.
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16")
+GPU_PRECISIONS: tuple[str, ...] = ("tf32", "bf16")  # CUDA only: CPU workers compute in fp32
+
+
+def default_precision(use_gpu: bool) -> str:
+    """The precision of a job that names none: TF32 matmuls on GPU workers (NVIDIA's DLRM reports
+    its figures with TF32), fp32 on CPU workers (which have no TF32)."""
+    return "tf32" if use_gpu else "fp32"
+
+
+def resolve_precision(device: "torch.device", precision: str | None) -> str:
+    """The precision a worker on `device` computes in: `precision`, or the default for its kind."""
+    return precision or default_precision(device.type == "cuda")
+
+
+def use_gpu_default() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def worker_device(local_rank: int | None = None, use_gpu: bool | None = None) -> "torch.device":
+    """cuda:<local rank> on a GPU worker, cpu otherwise. `local_rank` defaults to $LOCAL_RANK."""
+    import torch
+
+    if use_gpu is None:
+        use_gpu = use_gpu_default()
+    if not use_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("use_gpu is set but torch sees no CUDA device on this worker")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def placement(device: "torch.device", global_rank: int, local_rank: int) -> str:
+    """A TorchRec shard placement string. CPU shards reject an index ("cpu:1"), CUDA needs one."""
+    if device.type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    return f"rank:{global_rank}/{device.type}:{local_rank}"
+
+
+def synchronize(device: "torch.device") -> None:
+    """Wait for queued kernels so wall-clock timers measure work, not launches."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synchronizer(device: "torch.device"):
+    """A callable that waits for `device`'s queued kernels (for phase timers), or None on CPU."""
+    return (lambda: synchronize(device)) if device.type == "cuda" else None
+
+
+def collective_device(group, device: "torch.device") -> "torch.device":
+    """Where a tensor must live for a collective on `group`: NCCL groups take CUDA tensors only."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def peak_memory_mb(device: "torch.device | str" = "cpu") -> float:
+    """This worker's peak memory in MiB: CUDA peak allocated on a GPU, else the process's peak RSS."""
+    import resource
+    import sys
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is KiB on Linux but bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def device_type_for(use_gpu: bool) -> str:
+    """The torch device type of a job's workers."""
+    return "cuda" if use_gpu else "cpu"
+
+
+def accelerator_names() -> list[str]:
+    """The CUDA devices this process sees, by name (empty on a CPU machine)."""
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+# ---- precision --------------------------------------------------------------------------------
+def configure_matmul(device: "torch.device", precision: str) -> None:
+    """Set how float32 matmuls run on a CUDA worker: TensorFloat-32 for "tf32" and "bf16" (for the
+    float32 work autocast leaves), IEEE float32 for "fp32". PyTorch's flags are process-wide; a
+    worker process trains one model. Nothing to set on CPU."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if device.type != "cuda":
+        if precision in GPU_PRECISIONS:
+            raise ValueError(f"precision {precision!r} needs a CUDA device; CPU workers compute in fp32")
+        return
+    # the one knob that sets PyTorch's legacy and new TF32 flags together: setting only
+    # `torch.backends.cuda.matmul.fp32_precision` makes `torch.get_float32_matmul_precision()`
+    # raise ("mix of the legacy and new APIs") wherever a library asks it
+    torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
+
+
+def autocast(device: "torch.device", precision: str) -> contextlib.AbstractContextManager:
+    """The context a forward pass runs in: bfloat16 autocast on CUDA for "bf16", nothing
+    otherwise (the backward runs outside it, as autocast asks)."""
+    import torch
+
+    if device.type == "cuda" and precision == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---- the training pipeline and timing -----------------------------------------------------------
+def pipelined(device: "torch.device") -> bool:
+    """Whether the training loop runs TorchRec's `TrainPipelineSparseDist`: on CUDA, where its copy
+    and data-dist streams overlap the next batches' host-to-device copy and input all-to-all with
+    this batch's compute. CPU has no streams to overlap on and keeps the plain loop."""
+    return device.type == "cuda"
+
+
+class Stopwatch:
+    """Seconds of a stretch of work on a device, timed without waiting for the work when it
+    ends: `start()`, `stop()`, then `seconds` (which may wait). This one is the host clock, right
+    for CPU work, which is done when the call that launched it returns."""
+
+    deferred = False  # whether reading `seconds` may wait for the device
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._seconds: float | None = None
+
+    def start(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> "Stopwatch":
+        assert self._start is not None, "stop() before start()"
+        self._seconds = time.perf_counter() - self._start
+        return self
+
+    @property
+    def seconds(self) -> float:
+        assert self._seconds is not None, "seconds read before stop()"
+        return self._seconds
+
+
+class CudaStopwatch(Stopwatch):
+    """A stopwatch of CUDA events recorded on the current stream: it measures the device's time
+    from `start()` to `stop()` in stream order, and reading `seconds` waits for the stop event
+    only (read late, e.g. once per logging interval, it costs no wait at all)."""
+
+    deferred = True
+
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._stopped = False
+
+    def start(self) -> "Stopwatch":
+        self._events[0].record()  # on the current stream
+        self._start = 0.0
+        return self
+
+    def stop(self) -> "Stopwatch":
+        assert self._start is not None, "stop() before start()"
+        self._events[1].record()
+        self._stopped = True
+        return self
+
+    @property
+    def seconds(self) -> float:
+        assert self._stopped, "seconds read before stop()"
+        if self._seconds is None:
+            self._events[1].synchronize()  # this stopwatch's end only, not the whole device
+            self._seconds = self._events[0].elapsed_time(self._events[1]) / 1000.0
+        return self._seconds
+
+
+def stopwatch(device: "torch.device") -> Stopwatch:
+    """A stopwatch for `device`'s work: CUDA events on a GPU, the host clock on CPU."""
+    return CudaStopwatch() if device.type == "cuda" else Stopwatch()

@@ -1,0 +1,94 @@
+"""The local launcher: run a function on T processes of this machine, each a rank of a real
+gloo process group. Used by `recgrid smoke`, the tests and the benchmarks; the Ray launcher
+is the production path and shares the training loop with it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class LocalRunError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900,
+              threads_per_worker: int = 1, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return their results by rank.
+
+    `fn` must be importable (module level). If any rank fails, every rank is stopped and the
+    failing rank's traceback is raised here.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads_per_worker, results, fn, args, kwargs),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise LocalRunError(f"no result from ranks {sorted(set(range(world_size)) - set(out))} "
+                                    f"within {timeout_s:.0f}s") from None
+            if not ok:
+                raise LocalRunError(f"rank {rank} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(world_size)]
+
+
+def quiet_libraries() -> None:
+    """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("torch", "torchrec", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # FBGEMM logs each kernel's whole configuration at INFO through the root logger, and Ray
+    # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+
+def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, fn: Callable[..., Any],
+            args: tuple, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)  # T processes share this machine's cores
+    quiet_libraries()
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(*args, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
+        # plain pickle copies tensor data; the default queue would share memory that dies with us
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
+        results.put((rank, False, traceback.format_exc()))

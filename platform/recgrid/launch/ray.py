@@ -1,0 +1,296 @@
+"""The Ray driver: `recgrid train CONFIG.yaml [--set key=value ...]`.
+
+The driver only wires: it validates the config (before any worker starts), opens the job's one
+MLflow run, makes sure the data exists (synthetic data for the demo), connects to Ray (an
+embedded local cluster sized for the job, or $RAY_ADDRESS), makes and records the sharding
+plan (once per job: every restart replays it), counts the training rows, starts the recovery
+coordinator (which outlives every worker group), and hands the workers to Ray Train's
+`TorchTrainer` with `train.worker.train_worker` as their body. When Ray Train is done it
+closes the run and prints the summary. What runs on the workers lives in `train/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recgrid.config import ConfigError, JobConfig, load_config
+from recgrid.launch.report import say, summary_table
+
+
+@dataclass
+class JobResult:
+    run_id: str | None
+    status: str  # FINISHED or FAILED
+    metrics: dict[str, float]
+    error: str | None = None
+    seconds: float = 0.0
+    ui_command: str = ""
+    events: list[dict] = field(default_factory=list)  # recovery events, in order
+    attempts: list[dict] = field(default_factory=list)  # worker groups Ray Train started
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, args.set)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"recgrid train: invalid job config: {e}", file=sys.stderr)
+        return 2
+    result = run_job(config)
+    return 0 if result.status == "FINISHED" else 1
+
+
+def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None = None) -> JobResult:
+    """Run one training job end to end; its MLflow run ends FINISHED or FAILED with the error.
+    With `parent_run_id` the run is a child of that run (one configuration of `recgrid compare`).
+
+    `on_start(coordinator)`, if given, is called once the recovery coordinator exists (tests and
+    benchmarks watch the job through it).
+    """
+    from recgrid.launch.tracking import Tracker
+
+    t0 = time.perf_counter()
+    grid = config.build_grid()
+    tracker = Tracker(config.tracking.experiment, config.tracking.tracking_uri)
+    tracker.start(config.run_name, params=config.run_params(),
+                  tags={"layout": grid.layout, "num_groups": grid.num_groups, "launcher": "ray"},
+                  parent_run_id=parent_run_id)
+    tracker.log_stack_versions()
+    say(f"MLflow run {tracker.run_id} ({config.run_name}) in experiment {config.tracking.experiment!r} "
+        f"at {tracker.tracking_uri}")
+    status: dict[str, Any] = {}
+    try:
+        ensure_data(config)
+        connect_ray(config)
+        status = fit_on_ray(config, tracker, on_start)
+    except BaseException as e:  # noqa: BLE001 - the run records every failure, then it propagates as a status
+        cause = _root_cause(e)
+        tracker.fail(cause)  # the user's error, not Ray's wrapper around it
+        error = f"{type(cause).__name__}: {cause}".splitlines()[0][:2000]
+        say(f"FAILED: {error}")
+        return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command(),
+                         status.get("events", []), status.get("attempts", []))
+    tracker.log_interval_medians(config.train.max_steps)
+    tracker.finish()
+    metrics = dict(tracker.client.get_run(tracker.run_id).data.metrics)
+    result = JobResult(tracker.run_id, "FINISHED", metrics, None, time.perf_counter() - t0, tracker.ui_command(),
+                       status.get("events", []), status.get("attempts", []))
+    g = config.build_grid()
+    heading = [("run", f"{config.run_name} ({result.run_id})"), ("status", result.status),
+               ("grid", f"T={g.world_size} M={g.num_groups} L={g.group_size} K={config.grid.sync_every} "
+                        f"c={config.moment_scale:g} layout={g.layout}"),
+               ("wall time s", f"{result.seconds:,.1f}")]
+    print(summary_table(heading, metrics, result.events, result.ui_command), flush=True)
+    return result
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def ensure_data(config: JobConfig) -> None:
+    """With data.synth_if_missing, generate synthetic Criteo data where the globs match nothing;
+    eval rows are a held-out draw (another stream) of the same planted model."""
+    from recgrid.data.synth import ensure_synth
+
+    d = config.data
+    if not d.synth_if_missing:
+        return
+    for role, patterns, rows, stream in (("train", d.train, d.synth_rows, 0), ("eval", d.eval, d.synth_eval_rows, 1)):
+        for pattern in patterns:
+            try:
+                ensure_synth(pattern, rows, config.dataset_spec(), config.train.seed, stream,
+                             say=lambda m: say(f"data.{role}: {m}"))
+            except ValueError as e:
+                raise ConfigError(f"data.{role}: {e}") from None
+
+
+# ---- Ray --------------------------------------------------------------------------------------------
+def connect_ray(config: JobConfig) -> None:
+    """Join $RAY_ADDRESS if set, else start an embedded local cluster sized for the job."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # RUST_LOG: torchft's lighthouse and quorum servers log every round at INFO
+    env_vars = {"PYTHONWARNINGS": "ignore", "TORCHREC_LOG_LEVEL": "ERROR", "RUST_LOG": "warn"}
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+            # submitted with the Ray Job API: the job's own runtime env (working dir) carries the code
+            ray.init(address=address, log_to_driver=True)
+        else:
+            # from outside the cluster: ship this package with the job; the image must hold the stack
+            package = str(Path(__file__).resolve().parents[1])
+            ray.init(address=address, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
+        say(f"joined Ray cluster at {address}")
+        return
+    T, per_worker = config.grid.world_size, config.train.cpus_per_worker
+    # the workers' share, plus room for the driver-side actors and tasks
+    num_cpus = max(os.cpu_count() or 1, math.ceil(T * per_worker + 1))
+    num_gpus = None if config.train.use_gpu else 0
+    # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True,
+             runtime_env={"env_vars": env_vars}, logging_level="WARNING")
+    say(f"started a local Ray cluster: {num_cpus} logical CPUs for T={T} workers x {per_worker} CPU")
+
+
+def storage_path(config: JobConfig) -> str:
+    """Ray Train's storage for this job: train.storage_path, or the repository's runs/ray."""
+    if config.train.storage_path:
+        p = config.train.storage_path
+        return p if "://" in p else str(Path(p).absolute())
+    return str(Path(os.environ.get("RECGRID_RUNS_DIR", "runs")).absolute() / "ray")
+
+
+def job_plan(config: JobConfig) -> Any:
+    """The job's sharding plan, for the L workers of one sharding group: made once, here."""
+    from recgrid.engine.device import device_type_for
+    from recgrid.engine.model import build_model
+    from recgrid.engine.sharding import make_plan
+
+    engine = engine_config(config)
+    grid = config.build_grid()
+    if engine.towers is not None:  # DMT: each tower's tables inside its tower (engine.towers)
+        from recgrid.engine.towers import tower_plan
+
+        return tower_plan(engine.spec, engine.model, engine.towers, grid, device_type_for(config.train.use_gpu))
+    model = build_model(engine.spec, engine.model, seed=engine.seed)
+    return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
+                     engine.sharding)
+
+
+def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[str, Any]:
+    """Plan, count rows, start the coordinator and Ray Train; returns the coordinator's record
+    of attempts and recovery events."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from recgrid.data.stream import scan_inputs
+    from recgrid.engine.sharding import plan_record, sharding_summary
+    from recgrid.train.recovery import FailureClock, RecoveryCoordinator
+    from recgrid.train.ft import train_replica
+    from recgrid.train.worker import WorkerJob, train_worker
+
+    spec = config.dataset_spec()
+    grid = config.build_grid()
+    plan = job_plan(config)
+    tracker.log_params({"sharding": sharding_summary(plan)})
+    tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
+    train_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.train], spec)
+    eval_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.eval], spec) if config.data.eval else None
+    say(f"data: {train_inputs.total_rows:,} training rows in {len(train_inputs.files)} file(s)"
+        + (f", {eval_inputs.total_rows:,} eval rows" if eval_inputs else ""))
+
+    # on the driver's node (the head, under the Job API): it must outlive every worker node
+    coordinator = RecoveryCoordinator.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False)).remote(tracker.run_id)
+    if on_start is not None:
+        on_start(coordinator)
+    t = config.train
+    job = WorkerJob(
+        engine=engine_config(config), loop=loop_config(config), group_size=grid.group_size,
+        max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
+        train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
+        tracking_uri=tracker.tracking_uri, coordinator=coordinator, run_name=config.run_name, resume_from=t.resume_from,
+        row_log=config.data.row_log, rows_per_unit=config.data.rows_per_unit,
+    )
+    low = config.grid.min_world_size
+    workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
+    trainer = TorchTrainer(
+        train_loop_per_worker=train_worker if t.fault_tolerance == "restart" else train_replica,
+        train_loop_config={"job": job},
+        scaling_config=ScalingConfig(
+            num_workers=workers,
+            use_gpu=t.use_gpu,
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})},
+            # packed workers fill a node before the next; with M dividing the workers per node (or a
+            # multiple of them) each replica group of the host-local layout then sits on one node (or
+            # on whole nodes of its own; the workers check it)
+            placement_strategy="PACK",
+            **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
+        ),
+        torch_config=torch_config(config),
+        run_config=RunConfig(name=f"{config.run_name}-{tracker.run_id[:8]}", storage_path=storage_path(config),
+                             failure_config=FailureConfig(max_failures=t.max_failures),
+                             callbacks=[FailureClock(coordinator)]),
+    )
+    say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
+        f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
+        + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
+        + (", torchft: survivors keep running, a failed replica heals from a live peer"
+           if t.fault_tolerance == "torchft" else ""))
+    try:
+        trainer.fit()
+    finally:
+        try:
+            status = ray.get(coordinator.status.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the job's own error matters more
+            status = {}
+    return status
+
+
+def torch_config(config: JobConfig) -> Any:
+    """Ray Train's torch backend: one process group of all T workers, or with
+    train.fault_tolerance=torchft one per single-worker replica group plus torchft's lighthouse
+    (a quorum needs one live replica; train/ft.py)."""
+    from ray.train.torch import TorchConfig
+
+    backend = "nccl" if config.train.use_gpu else "gloo"
+    if config.train.fault_tolerance == "torchft":
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        return TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend=backend)
+    return TorchConfig(backend=backend)
+
+
+def engine_config(config: JobConfig):
+    from recgrid.engine.model import ModelSpec
+    from recgrid.train.trainer import EngineConfig
+
+    m, o = config.model, config.optim
+    return EngineConfig(
+        spec=config.dataset_spec(),
+        model=ModelSpec(arch=m.arch, embedding_dim=config.embedding_dim, dense_arch=tuple(config.dense_arch),
+                        over_arch=tuple(m.over_arch), dcn_num_layers=m.dcn_num_layers,
+                        dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype),
+        lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
+        dense_optimizer=o.dense_optimizer,
+        dense_lr=o.dense_lr,
+        sync_every=config.grid.sync_every,
+        delayed_moment_sync=config.grid.delayed_moment_sync,
+        sharding=m.sharding,
+        seed=config.train.seed,
+        precision=config.precision,
+        towers=config.tower_config(),
+    )
+
+
+def loop_config(config: JobConfig):
+    from recgrid.train.trainer import LoopConfig
+
+    t = config.train
+    return LoopConfig(max_steps=t.max_steps, batch_size=t.batch_size, log_every=t.log_every, eval_every=t.eval_every,
+                      checkpoint_every=t.checkpoint_every, snapshot_every_syncs=t.snapshot_every_syncs)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The user's error inside Ray's wrappers."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None) or e.__cause__
+        if inner is None:
+            worker_errors = getattr(e, "worker_failures", None)
+            if isinstance(worker_errors, dict) and worker_errors:
+                inner = next(iter(worker_errors.values()))
+        if not isinstance(inner, BaseException):
+            break
+        e = inner
+    return e

@@ -1,0 +1,374 @@
+"""MLflow tracking: one training job is one MLflow run, written from one place.
+
+This module owns where runs are stored (the tracking URI and the artifact location), how a
+job's config becomes MLflow params (nested dicts flattened to dotted keys, values
+stringified and cut to MLflow's limits), batched metric logging, and the run's end state:
+FINISHED, or FAILED with the error text. `Tracker` is small enough to live on the driver or
+on rank 0; `Tracker.attach(run_id)` lets a second process log into a run the first created.
+Experiments recgrid creates or starts runs in carry the tag `mlflow.experimentKind =
+custom_model_development` (training runs, not GenAI traces); MLflow 3.17's UI chooses its view
+from a browser-wide toggle instead, so `Tracker.ui_url()` gives pages in the training view. A
+sweep's runs are children of one parent run (`mlflow.parentRunId`).
+`start_system_metrics(run_id, node_id)` logs MLflow's system metrics (CPU, memory, disk,
+network, GPU) of the node it runs on into a run: one per node.
+
+Where runs go, first match wins:
+  1. `tracking_uri` passed to `Tracker` (the job config's `tracking.tracking_uri`);
+  2. the `MLFLOW_TRACKING_URI` environment variable (e.g. a cluster's tracking server);
+  3. `sqlite:///<repo>/runs/mlflow.db`, artifacts in `<repo>/runs/mlartifacts`
+     (MLflow 3 refuses the plain file store, so the local default is a SQLite file).
+
+mlflow is imported inside the class, so importing this module is free.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import platform as _platform
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Mapping
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RUNS_DIR = REPO_ROOT / "runs"
+DEFAULT_EXPERIMENT = "recgrid"
+ARTIFACTS_DIRNAME = "mlartifacts"
+# MLflow 3's UI opens an experiment without this tag (or with "genai_development") as a GenAI
+# overview of traces; "custom_model_development" is the kind for training runs
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+PARENT_RUN_TAG = "mlflow.parentRunId"
+# ... but MLflow 3.17's UI itself picks its GenAI or model-training view from a browser-wide toggle
+# (default GenAI, remembered in the browser), or from this in the page's URL
+UI_TRAINING_VIEW = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+# MLflow's limits (mlflow/utils/validation.py), restated so we cut values before it refuses them.
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_KEY_LENGTH = 250
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+
+# distribution names to try for each component of the stack, first installed one wins
+STACK: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "torchrec": ("torchrec", "torchrec-nightly", "torchrec-nightly-cpu"),
+    "fbgemm_gpu": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu"),
+    "ray": ("ray",),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+}
+
+
+def default_tracking_uri() -> str:
+    """The local default store: a SQLite file under the repository's run directory."""
+    return f"sqlite:///{RUNS_DIR / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The explicit URI, else `MLFLOW_TRACKING_URI`, else `default_tracking_uri()`."""
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI; None for other stores and in-memory SQLite."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested dicts → `{"a.b.c": "value"}` with every value stringified and cut to MLflow's limit."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_params(value, prefix=f"{name}."))
+            continue
+        if len(name) > MAX_KEY_LENGTH:
+            raise ValueError(f"param key {name[:60]!r}... is {len(name)} characters; MLflow allows {MAX_KEY_LENGTH}")
+        flat[name] = _cut(str(value), MAX_PARAM_VAL_LENGTH)
+    return flat
+
+
+def stack_versions() -> dict[str, str]:
+    """Installed versions of python, torch, torchrec, fbgemm_gpu, ray and mlflow, without importing them."""
+    out = {"python": _platform.python_version()}
+    for name, dists in STACK.items():
+        out[name] = "not installed"
+        for d in dists:
+            try:
+                out[name] = importlib.metadata.version(d)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _cut(text: str, limit: int) -> str:
+    marker = "...[truncated]"
+    return text if len(text) <= limit else text[: limit - len(marker)] + marker
+
+
+class Tracker:
+    """One job's MLflow run.
+
+    Typical use (the driver, or rank 0 only):
+
+        tracker = Tracker(experiment="recgrid")
+        with tracker.start("T4-M2-K1", params=config.to_flat_dict(), tags={"layout": "host-local"}):
+            tracker.log_stack_versions()
+            tracker.log_metrics({"train/loss": 0.5}, step=10)
+        # FINISHED on normal exit; FAILED with the error on an exception, which propagates.
+        print(tracker.ui_command())
+    """
+
+    def __init__(self, experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> None:
+        self.experiment = experiment
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        db = _sqlite_path(self.tracking_uri)
+        # new experiments in a local SQLite store keep their artifacts beside the database;
+        # a tracking server decides for itself
+        self.artifact_location: str | None = (db.parent / ARTIFACTS_DIRNAME).resolve().as_uri() if db else None
+        if db:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._params: dict[str, str] = {}
+        self._ended = False
+        self._client: Any = None
+
+    # ---- the store ------------------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """The `MlflowClient` on this tracker's URI (created on first use)."""
+        if self._client is None:
+            # the first open of a new SQLite store runs dozens of schema migrations, each logged
+            for name in ("alembic", "mlflow.store.db.utils"):
+                logging.getLogger(name).setLevel(logging.WARNING)
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _experiment_id(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                return self.client.create_experiment(self.experiment, artifact_location=self.artifact_location,
+                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            except MlflowException:  # another job created it a moment ago
+                exp = self.client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            self.client.restore_experiment(exp.experiment_id)
+        if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # made before the tag, by hand, or by the UI's guess
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return exp.experiment_id
+
+    # ---- the run --------------------------------------------------------------------------------
+    def start(
+        self,
+        run_name: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+    ) -> "Tracker":
+        """Create the run (status RUNNING) and log `params` (flattened) and `tags`; with
+        `parent_run_id`, the run is that run's child (a sweep's configuration). Returns self."""
+        if self.run_id is not None:
+            raise RuntimeError(f"this tracker already has run {self.run_id}; one Tracker is one run")
+        if parent_run_id:
+            tags = {**(tags or {}), PARENT_RUN_TAG: parent_run_id}
+        self.experiment_id = self._experiment_id()
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=run_name,
+            tags={k: _cut(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()},
+        )
+        self.run_id = run.info.run_id
+        if params:
+            self.log_params(params)
+        return self
+
+    @classmethod
+    def attach(cls, run_id: str, tracking_uri: str | None = None) -> "Tracker":
+        """A tracker that logs into an existing run (e.g. rank 0 logging into the driver's run)."""
+        tracker = cls(tracking_uri=tracking_uri)
+        run = tracker.client.get_run(run_id)
+        tracker.run_id, tracker.experiment_id = run_id, run.info.experiment_id
+        tracker._params = dict(run.data.params)
+        return tracker
+
+    def _require_run(self) -> str:
+        if self.run_id is None:
+            raise RuntimeError("no run: call Tracker.start() first")
+        return self.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params, nested dicts flattened to dotted keys. Re-logging an equal value is a no-op;
+        a different value for a logged key is an error (MLflow params are immutable)."""
+        from mlflow.entities import Param
+
+        run_id = self._require_run()
+        new: list[Param] = []
+        for key, value in flatten_params(params).items():
+            if key in self._params:
+                if self._params[key] != value:
+                    raise ValueError(f"param {key!r} is already {self._params[key]!r}; cannot change it to {value!r}")
+                continue
+            self._params[key] = value
+            new.append(Param(key, value))
+        for i in range(0, len(new), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, params=new[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log_stack_versions(self) -> dict[str, str]:
+        """Log `stack_versions()` as params `versions.<name>`; returns them."""
+        versions = stack_versions()
+        self.log_params({"versions": versions})
+        return versions
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        run_id = self._require_run()
+        items = [RunTag(k, _cut(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log one point of each metric series at `step`, in as few requests as MLflow allows.
+        None values are skipped; NaN is stored as NaN."""
+        from mlflow.entities import Metric
+
+        run_id = self._require_run()
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
+
+    def log_interval_medians(self, step: int) -> dict[str, float]:
+        """Log the median over the run's logging intervals of QPS and step time (`<name>_median`
+        at `step`): the run's typical speed, which an interval holding an epoch's start-up, an
+        evaluation or a restart does not skew."""
+        import statistics
+
+        out = {}
+        for name in ("train/qps", "train/step_time_s"):
+            values = [m.value for m in self.client.get_metric_history(self._require_run(), name)]
+            if values:
+                out[f"{name}_median"] = statistics.median(values)
+        self.log_metrics(out, step)
+        return out
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store `text` as an artifact of the run (e.g. the summary table, the resolved config)."""
+        self.client.log_text(self._require_run(), text, artifact_file)
+
+    def finish(self) -> None:
+        """Mark the run FINISHED (once; later calls do nothing)."""
+        self._end("FINISHED")
+
+    def fail(self, error: BaseException | str) -> None:
+        """Mark the run FAILED with the error: tag `error` (one line) and artifact `error.txt`
+        (the full traceback). Without a started run, does nothing."""
+        if self.run_id is None or self._ended:
+            return
+        if isinstance(error, BaseException):
+            summary = f"{type(error).__name__}: {error}"
+            full = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        else:
+            summary = full = str(error)
+        # each step on its own: a store that refuses the artifact must not keep the run RUNNING
+        for record in (lambda: self.set_tags({"error": summary}), lambda: self.log_text(full, "error.txt")):
+            try:
+                record()
+            except Exception as e:  # noqa: BLE001 - the original error matters more than this one
+                print(f"recgrid.launch.tracking: could not record the error in MLflow: {e}", file=sys.stderr)
+        self._end("FAILED")
+
+    def _end(self, status: str) -> None:
+        if self.run_id is None or self._ended:
+            return
+        self.client.set_terminated(self.run_id, status=status)
+        self._ended = True
+
+    def __enter__(self) -> "Tracker":
+        self._require_run()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            self.finish()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.set_tags({"error": "KeyboardInterrupt"})
+            self._end("KILLED")
+        else:
+            self.fail(exc)
+        return False  # never swallow the exception
+
+    # ---- looking at the runs ----------------------------------------------------------------------
+    def ui_command(self) -> str:
+        """The shell command that opens the MLflow UI on this tracker's runs."""
+        uri = self.tracking_uri
+        if uri.startswith(("http://", "https://")):
+            return f"{shlex.quote(sys.executable)} -m webbrowser {shlex.quote(uri)}"  # the server is the UI
+        mlflow_bin = Path(sys.executable).parent / "mlflow"
+        exe = str(mlflow_bin) if mlflow_bin.exists() else "mlflow"
+        return f"{shlex.quote(exe)} ui --backend-store-uri {shlex.quote(uri)}"
+
+    def run_url(self) -> str | None:
+        """The run's page when the store is a tracking server, else None."""
+        uri = self.tracking_uri.rstrip("/")
+        if self.run_id and uri.startswith(("http://", "https://")):
+            return self.ui_url()
+        return None
+
+    def ui_url(self, page: str = "") -> str:
+        """The run's page in the MLflow UI's model-training view (`page`: a tab, e.g.
+        "artifacts/compare/chart.png"): on the tracking server, or on `mlflow ui`'s default
+        address for a local store. The URL names the view: MLflow 3.17's UI opens every
+        experiment in its GenAI view until the browser is switched to "Model training"."""
+        uri = self.tracking_uri.rstrip("/")
+        base = uri if uri.startswith(("http://", "https://")) else LOCAL_UI
+        path = f"/#/experiments/{self.experiment_id}/runs/{self._require_run()}" + (f"/{page}" if page else "")
+        return f"{base}{path}?{UI_TRAINING_VIEW}"
+
+
+# ---- system metrics ---------------------------------------------------------------------------------
+def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: str | None = None,
+                         sampling_interval_s: float = 10.0) -> Any:
+    """Log MLflow's system metrics of THIS node into `run_id` until the run ends: CPU and memory
+    use, disk, network, and GPU utilisation and memory where NVML sees a GPU, as
+    `system/<node_id>/<name>` every `sampling_interval_s` (MLflow's own
+    `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread.
+
+    The monitor samples the machine it runs on, so call it once per node, in a process that
+    lives as long as the training there (e.g. each node's local rank 0 worker); `node_id` names
+    the node (default: the host name; a pod's name on Kubernetes). Returns the monitor (its
+    `finish()` flushes and stops it; it also stops by itself once the run is no longer RUNNING),
+    or None when it cannot start (e.g. psutil missing): system metrics never stop training.
+    A restarted worker group resumes the run's system-metric steps instead of starting at 0.
+    """
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # INFO at every start and stop
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_interval_s, resume_logging=True,
+                                       node_id=node_id or _platform.node(),
+                                       tracking_uri=resolve_tracking_uri(tracking_uri))
+        monitor.start()
+        return monitor
+    except Exception as e:  # noqa: BLE001 - metrics must never stop training
+        print(f"recgrid.launch.tracking: MLflow system metrics are off on this node: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return None

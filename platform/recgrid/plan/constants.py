@@ -1,0 +1,244 @@
+"""Every number the cost model uses that is not computed from the model itself: published
+hardware figures and published (or this machine's) measurements, each with its source.
+
+Nothing here is fitted to the 2-D paper's tables. The GPU figures describe an H100 SXM5 node
+of 8 GPUs on NVLink 4 / NVSwitch with one 400 Gb/s ConnectX-7 NIC per GPU (the DGX/HGX H100
+shape); `recgrid plan --hbm-gb/--intra-node-gbps/--inter-node-gbps` override the headline ones.
+The CPU figures are not here: they are measured on the machine at hand by
+bench/calibrate_cpu.py and read from its JSON (`CpuProfile.load`).
+
+Units: bytes, seconds, bytes per second, FLOP per second.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+GB = 1e9  # the decimal gigabyte NVIDIA and nccl-tests quote bandwidths and capacities in
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a figure comes from: a URL (or paper + table), and what exactly was read there."""
+
+    url: str
+    note: str
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU type in its usual node. Field docs say what the figure is; SOURCES says where
+    it comes from."""
+
+    name: str
+    hbm_bytes: float
+    """Device memory capacity."""
+    hbm_bandwidth: float
+    """Device memory bandwidth: what TorchRec's estimator divides embedding-lookup bytes by."""
+    nvlink_busbw: float
+    """Effective NVLink bandwidth NCCL reaches per GPU for all-to-all, reduce-scatter and
+    all-gather inside a node (nccl-tests busBw, non-all-reduce collectives)."""
+    nvls_allreduce_busbw: float
+    """All-reduce bus bandwidth inside one 8-GPU node (NVLink SHARP)."""
+    nic_bandwidth: float
+    """Achieved bandwidth of one GPU's NIC: all-to-all cannot aggregate several NICs, so this
+    bounds a GPU's inter-node all-to-all."""
+    a2a_peer_latency_intra: float
+    """Added all-to-all time per peer inside a node (small messages, nccl-tests alltoall_perf)."""
+    a2a_peer_latency_inter: float
+    """Added all-to-all time per peer across nodes."""
+    collective_latency: float
+    """Fixed cost of launching one NCCL collective (zero-byte alltoall_perf time)."""
+    dense_samples_per_s: float
+    """Measured training throughput of a reference DLRM on one GPU (TF32), samples/s."""
+    dense_reference_flops_per_sample: float
+    """Training FLOP per sample of that reference model (6 x its dense weights, computed by
+    `reference_dense_flops`), so dense_samples_per_s x this = achieved dense FLOP/s."""
+
+    @property
+    def dense_flops(self) -> float:
+        """Achieved dense training FLOP/s (an end-to-end measurement, so it already holds the
+        step's launch overheads and the small embedding part of the reference model)."""
+        return self.dense_samples_per_s * self.dense_reference_flops_per_sample
+
+    def with_overrides(self, hbm_gb: float | None = None, intra_node_gbps: float | None = None,
+                       inter_node_gbps: float | None = None) -> "GpuProfile":
+        """The profile with the user's figures (`--hbm-gb`, `--intra-node-gbps`, `--inter-node-gbps`,
+        GB/s per GPU) in place of the published ones."""
+        p = self
+        if hbm_gb is not None:
+            p = replace(p, hbm_bytes=hbm_gb * GB)
+        if intra_node_gbps is not None:
+            p = replace(p, nvlink_busbw=intra_node_gbps * GB, nvls_allreduce_busbw=intra_node_gbps * GB)
+        if inter_node_gbps is not None:
+            p = replace(p, nic_bandwidth=inter_node_gbps * GB)
+        return p
+
+
+def reference_dense_flops() -> float:
+    """Training FLOP per sample (forward 2, backward 4 per weight) of the model measured for
+    `dense_samples_per_s`: DLRM on Criteo Kaggle (26 tables, dim 128, dot interaction) with
+    MLPerf's MLPs, bottom 13-512-256-128 and top 479-1024-1024-512-256-1 (479 = 128 + 27*26/2)."""
+    layers = [(13, 512), (512, 256), (256, 128), (128 + 27 * 26 // 2, 1024), (1024, 1024), (1024, 512),
+              (512, 256), (256, 1)]
+    return 6.0 * sum(i * o for i, o in layers)
+
+
+H100_SXM = GpuProfile(
+    name="h100-sxm",
+    hbm_bytes=80 * GB,
+    hbm_bandwidth=3.35e12,
+    nvlink_busbw=370 * GB,
+    nvls_allreduce_busbw=480 * GB,
+    nic_bandwidth=48 * GB,
+    a2a_peer_latency_intra=1.06e-6,
+    a2a_peer_latency_inter=3.0e-6,
+    collective_latency=3.1e-6,
+    dense_samples_per_s=2.27e6,
+    dense_reference_flops_per_sample=reference_dense_flops(),
+)
+
+PROFILES: dict[str, GpuProfile] = {H100_SXM.name: H100_SXM}
+
+SOURCES: dict[str, Source] = {
+    "hbm_bytes": Source(
+        "https://www.nvidia.com/en-us/data-center/h100/",
+        "H100 SXM datasheet: GPU memory 80 GB."),
+    "hbm_bandwidth": Source(
+        "https://www.nvidia.com/en-us/data-center/h100/",
+        "H100 SXM datasheet: GPU memory bandwidth 3.35 TB/s."),
+    "nvlink_busbw": Source(
+        "https://github.com/NVIDIA/nccl-tests/issues/212",
+        "NCCL maintainer (sjeaugey): NVLink 4 line rate is 450 GB/s; with ~20% protocol overhead NCCL "
+        "gets an effective 370 GB/s, seen as busBw of non-all-reduce collectives."),
+    "nvls_allreduce_busbw": Source(
+        "https://github.com/NVIDIA/nccl-tests/issues/212",
+        "Same thread: all-reduce with NVLink SHARP on 8 H100s peaks at a busBw of ~480 GB/s "
+        "(also GTC 2024 talk S62129)."),
+    "nic_bandwidth": Source(
+        "https://github.com/NVIDIA/nccl-tests/issues/267",
+        "NCCL team (AddyLaddy): CX-7 NICs at NDR rate (400 Gb/s) achieve up to 48-49 GB/s per NIC; "
+        "sjeaugey: all-to-all cannot aggregate the bandwidth of several NICs."),
+    "a2a_inter_node_scaling": Source(
+        "https://github.com/NVIDIA/nccl-tests/issues/130",
+        "sjeaugey: inter-node all-to-all busBw = N/(N-1) x the network bandwidth per GPU for N nodes "
+        "(2x on 2 nodes, falling to 1x as N grows): the all-to-all bandwidth's decline with group size."),
+    "allreduce_inter_node": Source(
+        "https://github.com/NVIDIA/nccl-tests/issues/160",
+        "sjeaugey: on 3+ nodes rings are used and all-reduce busBw reflects the total NIC bandwidth the "
+        "ranks of a node drive (so ranks-per-node x NIC, bounded by NVLink); one rank per node gets one NIC."),
+    "allreduce_whole_nodes": Source(
+        "https://github.com/NVIDIA/nccl/issues/812",
+        "A replica group of M workers on M/W whole nodes (host-local layout, M a multiple of the W GPUs per "
+        "node) all-reduces over every NIC of those nodes: NCCL team (AddyLaddy) measures 192 GB/s all-reduce "
+        "busBw on DGX-A100s with 8 x 200 Gb/s NICs, i.e. 8 NICs x 24 GB/s; so 8 x 48 GB/s on H100 nodes, "
+        "bounded by NVLink's 370 GB/s (GpuCost.bandwidth). NVIDIA/nccl#1649 quotes ~380 GB/s multi-node "
+        "all-reduce busBw on H100 without SHARP. On two nodes NCCL's tree can exceed it (nccl-tests#196); "
+        "the ring figure is used."),
+    "lookup_activation_memory": Source(
+        "torchrec/distributed/planner/shard_estimators.py (TorchRec 1.8): calculate_shard_storages",
+        "Per shard, input ids B x L x pooling x 8 bytes (row-wise: its 1/L of them; table-row-wise: 1/per-node) "
+        "and output B x L x shard dim x 4 bytes for every sharding type: a row-wise or table-row-wise shard "
+        "holds pooled partial sums for the whole batch of its group before the reduce-scatter. Charged input + "
+        "output (its default pipeline type), as the fullest worker's lookup activations."),
+    "a2a_peer_latency_intra": Source(
+        "https://github.com/deepseek-ai/DeepEP/issues/303",
+        "nccl-tests alltoall_perf on 8 GPUs of one NVLink node: 3.1 us at 0 bytes, 10.5 us at 128 B "
+        "-> (10.5 - 3.1) / 7 peers = 1.06 us per peer."),
+    "a2a_peer_latency_inter": Source(
+        "https://github.com/NVIDIA/nccl/issues/1531",
+        "nccl-tests alltoall_perf on 64 H800 (8 nodes, 400 Gb/s NICs): 8 MiB in 337.8 us. The bandwidth "
+        "part at 8/7 x 48 GB/s is 8 MiB x 63/64 / 54.9 GB/s = 150 us; the rest, 188 us over 63 peers, "
+        "= 3.0 us per peer."),
+    "collective_latency": Source(
+        "https://github.com/deepseek-ai/DeepEP/issues/303",
+        "nccl-tests alltoall_perf, 0 bytes: 3.1 us (the fixed cost of one collective)."),
+    "dense_samples_per_s": Source(
+        "recgrid issue 9 (measured on one H100, torch 2.11, fbgemm-gpu 1.6.0)",
+        "A bare training loop of DLRM on Criteo Kaggle, dim 128, MLPerf-size MLPs, batch 16384, TF32 "
+        "matmuls: 2.27 M samples/s. x reference_dense_flops() = achieved dense FLOP/s; far below the "
+        "494 TFLOP/s TF32 peak, as small-GEMM MLP training is."),
+    "torchrec_estimators": Source(
+        "torchrec/distributed/planner/shard_estimators.py, estimator/estimator.py (TorchRec 1.8)",
+        "Per-shard lookup time (fwd/bwd compute from bytes / HBM bandwidth, TorchRec's own coefficients), "
+        "per-shard communication time (bytes / the bandwidth recgrid supplies), per-shard memory "
+        "(weights, row-wise AdaGrad state, lookup input and output) are TorchRec's estimates."),
+    "replica_sync": Source(
+        "Zhang et al., Two-dimensional Sparse Parallelism for Large Scale Deep Learning Recommendation "
+        "Model Training, arXiv:2508.03854, Eq. 1",
+        "L_sync = 2 S (M - 1) / (T B_sync): a ring all-reduce of each worker's S/L shard bytes over the M "
+        "workers of its replica group."),
+}
+
+
+# ---- the CPU form: constants measured on this machine ------------------------------------------
+DEFAULT_CPU_CALIBRATION = Path("bench/results/calibrate_cpu.json")
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """Figures of the CPU + gloo form, each measured by a microbenchmark in bench/calibrate_cpu.py
+    (never by the step-time runs the model is checked against). Times in seconds.
+
+    A collective of `nbytes` per rank over `n` ranks costs latency[n] + nbytes / bandwidth[n]:
+    the bandwidth is the slope of the collective alone over message sizes, the latency is what
+    a small collective adds when every worker computes between collectives (on an oversubscribed
+    machine a collective also waits for peers that are not running).
+    """
+
+    cores: int
+    """CPU cores of the machine."""
+    world_size: int
+    """T the calibration ran with."""
+    compute_slowdown: float
+    """Measured: a compute chunk's wall time when all `world_size` workers run it at once, over its
+    time alone (about T / cores on an otherwise idle machine; more when it is shared)."""
+    a2a_latency: dict[int, float]
+    a2a_bandwidth: dict[int, float]
+    allreduce_latency: dict[int, float]
+    allreduce_bandwidth: dict[int, float]
+    lookup_bandwidth: float
+    """Bytes/s that, put in TorchRec's estimator as the device bandwidth, reproduce the measured
+    fused-kernel (forward + backward with its fused optimizer) time on one core."""
+    lookup_call_overhead: float
+    """Fixed seconds per fused-kernel forward + backward call (the microbenchmark's intercept)."""
+    dense_seconds_per_sample: float
+    """Forward + backward + optimizer of the dense part on one core, per sample."""
+    dense_call_overhead: float
+    """Fixed seconds per dense step (intercept over batch sizes)."""
+    sharded_step_overhead: float
+    """Seconds a sharded module's step costs on one worker beyond its kernels (TorchRec's input
+    and output distribution bookkeeping, awaitables, DDP hooks), measured at world size 1."""
+    measured: dict = field(default_factory=dict)
+    """The raw microbenchmark results, for the record."""
+
+    @classmethod
+    def load(cls, path: str | Path = DEFAULT_CPU_CALIBRATION) -> "CpuProfile":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no CPU calibration; run `.venv/bin/python bench/calibrate_cpu.py` first")
+        raw = json.loads(path.read_text())["profile"]
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in raw.items() if k in known}
+        for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
+            kw[k] = {int(n): float(v) for n, v in kw[k].items()}
+        return cls(**kw)
+
+    @staticmethod
+    def _at(table: dict[int, float], n: int) -> float:
+        """The figure measured at `n` ranks, or at the nearest measured count."""
+        if n in table:
+            return table[n]
+        return table[min(table, key=lambda k: (abs(k - n), k))]
+
+    def a2a_seconds(self, nbytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self._at(self.a2a_latency, ranks) + nbytes / self._at(self.a2a_bandwidth, ranks)
+
+    def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self._at(self.allreduce_latency, ranks) + nbytes / self._at(self.allreduce_bandwidth, ranks)

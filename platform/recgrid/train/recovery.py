@@ -1,0 +1,555 @@
+"""Recovery: in-memory snapshots of every shard, kept outside the worker group, and the restore
+order that uses them.
+
+2-D sparse parallelism keeps M copies of every shard, one per sharding group; that is what
+makes recovery cheap. Ray Train restarts the whole worker group on any failure, so copies that
+must outlive it live in actors the driver owns:
+
+- `SnapshotHolder`, one per node (created on the node it serves, owned by the coordinator, which
+  the driver owns, so no worker's death takes it along): it keeps the snapshot generations
+  handed to it by the workers of its node, at most two (the newest complete one and the one
+  being written), copied out of the object store into its own memory (an object put by a
+  worker dies with that worker).
+- `RecoveryCoordinator`, one per job: the holders by node, which generation is complete on the
+  holders still alive, the attempts (workers' pids and nodes), the failure clock and the
+  recovery events the run logs.
+
+At every snapshot point (a sync step, every `train.snapshot_every_syncs` syncs) each node's
+holder receives one copy of every shard position held on that node (the first sharding group
+there sends it; the others hold the same bits after the sync), plus the dense part and the
+progress. A generation is complete when the live holders together have every shard position
+0..L-1, the dense part and the progress.
+
+Restore order, decided by global rank 0 and told to every worker (`Recovery.restore`):
+  1. the newest complete in-memory generation: each worker takes its shard position from its
+     own node's holder if it has one, else from a holder on another node (a peer sharding
+     group's copy). No storage read.
+  2. else Ray Train's newest storage checkpoint (some shard has no surviving copy: M = 1 and a
+     node lost, or a host holding whole replica groups in the host-local layout), and the log
+     and the run say so. The choice comes from what the live holders report, not from the layout.
+  3. else `train.resume_from` (a checkpoint of another job, possibly another M or L), else a
+     fresh start.
+Work lost is at most the steps since the last snapshot (K steps with snapshots at every sync).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from recgrid.engine.grid import Grid, GridGroups
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.trainer import Trainer
+
+KEEP_GENERATIONS = 2  # the newest complete generation and the one being written
+
+
+def digest(arrays: Sequence[np.ndarray]) -> str:
+    """A checksum of the arrays' bytes (CRC-32 chained over them): equal iff bit-for-bit equal,
+    for any practical purpose."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
+    return f"{crc:08x}-{sum(int(a.nbytes) for a in arrays)}"
+
+
+class SnapshotHolderImpl:
+    """One node's in-memory snapshots: generation (step) -> key -> a Ray object this holder owns.
+
+    Keys: "shard/<j>" (shard position j: a list of arrays), "dense" (name -> array), "progress"
+    (the job's progress), "window/<rank>" (a worker's NE window). Each payload arrives as a view
+    of an object the sending worker owns and is copied, once, into an object of this holder's
+    (`ray.put` here): it outlives the sender, stays in the node's shared-memory object store,
+    and a restoring worker on this node maps it without another copy through this process.
+    """
+
+    def __init__(self, node_id: str) -> None:
+        import threading
+
+        self.node_id = node_id
+        self.generations: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # the workers of a node put at once
+
+    def put(self, step: int, key: str, payload: Any) -> None:
+        import ray
+
+        payload = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
+        with self._lock:
+            if step not in self.generations:
+                if self.generations and step < min(self.generations) and len(self.generations) >= KEEP_GENERATIONS:
+                    return  # older than everything kept (a stale writer): nothing to keep
+                self.generations[step] = {}
+                for old in sorted(self.generations)[:-KEEP_GENERATIONS]:
+                    self._drop(old)
+            self.generations[step][key] = payload
+
+    def put_many(self, step: int, payload: dict[str, Any]) -> None:
+        for key, value in payload.items():
+            self.put(step, key, value)
+
+    def inventory(self) -> dict[int, list[str]]:
+        return {step: sorted(keys) for step, keys in self.generations.items()}
+
+    def get(self, step: int, key: str) -> list:
+        """[the payload's object ref] (in a list, so the caller fetches it straight from the store)."""
+        return self.generations[step][key]
+
+    def digest_of(self, step: int, key: str) -> str:
+        """The checksum of a held payload (for the restore's bit-for-bit check, off its clock)."""
+        import ray
+
+        return digest(_arrays(ray.get(self.generations[step][key][0])))
+
+    def drop_after(self, step: int) -> None:
+        """Forget generations newer than `step` (the restore point): a restarted job writes them anew."""
+        with self._lock:
+            for s in [s for s in self.generations if s > step]:
+                self._drop(s)
+
+    def nbytes(self) -> int:
+        import ray
+
+        return sum(int(a.nbytes) for g in self.generations.values() for p in g.values() for a in _arrays(ray.get(p[0])))
+
+    def _drop(self, step: int) -> None:
+        self.generations.pop(step, None)
+
+
+def _arrays(payload: Any) -> list[np.ndarray]:
+    if isinstance(payload, np.ndarray):
+        return [payload]
+    if isinstance(payload, dict):
+        return [a for k in sorted(payload) for a in _arrays(payload[k])]
+    if isinstance(payload, (list, tuple)):
+        return [a for v in payload for a in _arrays(v)]
+    return []
+
+
+class RecoveryCoordinatorImpl:
+    """The job's recovery bookkeeping (one actor, owned by the driver)."""
+
+    def __init__(self, run_id: str) -> None:
+        import threading
+
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self.holders: dict[str, Any] = {}
+        self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node)
+        self.events: list[dict[str, Any]] = []  # restores, in order
+        self.failure_time: float | None = None  # when the controller first saw the current failure
+        self.checkpoints: list[tuple[int, str]] = []  # storage checkpoints written, (step, path)
+        self.last_step = 0  # newest step any attempt finished (rank 0's heartbeat)
+        self.logged_upto = -1  # newest step whose metrics reached the run
+        self.stop = False  # a graceful stop was asked for
+        self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
+
+    # ---- holders ------------------------------------------------------------------------------
+    def holder_for(self, node_id: str) -> Any:
+        """The holder on `node_id`, created there on first use."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:  # the workers of a node ask at once: one holder per node
+            if node_id not in self.holders or not self._alive(node_id):
+                self.holders[node_id] = SnapshotHolder.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                ).remote(node_id)
+            return self.holders[node_id]
+
+    def _alive(self, node_id: str) -> bool:
+        import ray
+
+        try:
+            ray.get(self.holders[node_id].inventory.remote(), timeout=10)
+            return True
+        except Exception:  # noqa: BLE001 - a dead node's holder answers with an error or not at all
+            return False
+
+    def restore_plan(self, group_size: int, restore_to: int | None = None) -> dict[str, Any]:
+        """The newest generation the live holders together hold completely, where each key is,
+        and which shard positions no live holder has (for the log when there is none)."""
+        import ray
+
+        inventories: dict[str, dict[int, list[str]]] = {}
+        lost: list[str] = []
+        for node, holder in list(self.holders.items()):
+            try:
+                inventories[node] = ray.get(holder.inventory.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - the node is gone, and its copies with it
+                lost.append(node)
+                del self.holders[node]
+        needed = [f"shard/{j}" for j in range(group_size)] + ["dense", "progress"]
+        steps = sorted({s for inv in inventories.values() for s in inv}, reverse=True)
+        missing_newest: list[str] = needed
+        for step in steps:
+            where = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, [])) for k in needed}
+            missing = [k for k, nodes in where.items() if not nodes]
+            if step == steps[0]:
+                missing_newest = missing
+            if not missing:
+                windows = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, []))
+                           for k in {k for inv in inventories.values() for k in inv.get(step, []) if k.startswith("window/")}}
+                return {"step": step, "where": where, "windows": windows, "lost_nodes": lost}
+        return {"step": None, "missing": missing_newest, "lost_nodes": lost, "generations": steps}
+
+    def drop_after(self, step: int) -> None:
+        import ray
+
+        ray.get([h.drop_after.remote(step) for h in self.holders.values()], timeout=60)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes each node's holder keeps (bounded by two generations of the node's shards)."""
+        import ray
+
+        return {n: ray.get(h.nbytes.remote(), timeout=30) for n, h in self.holders.items()}
+
+    # ---- attempts and events --------------------------------------------------------------------------
+    def begin_attempt(self, world_size: int) -> int:
+        self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
+                              "failure_time": self.failure_time, "last_step_before": self.last_step})
+        self.failure_time = None
+        return len(self.attempts) - 1
+
+    def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
+        self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
+
+    def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
+        """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
+        self.attempts[attempt]["workers"][rank].update(fields)
+
+    def failure_detected(self, when: float) -> None:
+        if self.failure_time is None:
+            self.failure_time = when
+
+    def checkpoint_written(self, step: int, path: str) -> None:
+        self.checkpoints.append((step, path))
+
+    def latest_checkpoint(self, candidates: Sequence[str | None] = ()) -> str | None:
+        """The newest storage checkpoint: recorded here, or among `candidates` (Ray Train's own)."""
+        from recgrid.train.checkpoint import checkpoint_step, is_complete
+
+        found = list(self.checkpoints) + [(checkpoint_step(c) or -1, c) for c in candidates if c]
+        done = sorted((s, p) for s, p in found if is_complete(p))
+        return done[-1][1] if done else None
+
+    def heartbeat(self, step: int) -> None:
+        self.last_step = step
+
+    def record(self, event: dict[str, Any]) -> int:
+        self.events.append(event)
+        return len(self.events) - 1
+
+    def update_event(self, index: int, fields: dict[str, Any]) -> None:
+        self.events[index].update(fields)
+
+    def request_stop(self) -> None:
+        """Ask the job to end at its next logging interval, as if it had reached max_steps."""
+        self.stop = True
+
+    def stop_requested(self) -> bool:
+        return self.stop
+
+    def claim_step(self, name: str, step: int) -> bool:
+        """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
+        claimed = self.claimed.setdefault(name, set())
+        if step in claimed:
+            return False
+        claimed.add(step)
+        return True
+
+    def mark_logged(self, step: int) -> None:
+        self.logged_upto = max(self.logged_upto, step)
+
+    def status(self) -> dict[str, Any]:
+        return {"attempts": self.attempts, "events": self.events, "last_step": self.last_step,
+                "logged_upto": self.logged_upto, "failure_time": self.failure_time,
+                "holders": sorted(self.holders)}
+
+
+def _remote(cls: type, **options: Any) -> Any:
+    import ray
+
+    return ray.remote(**options)(cls)
+
+
+class _Lazy:
+    """`ray.remote` applied on first use, so importing this module needs no Ray."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls, self.actor = cls, None
+
+    def options(self, **kw: Any) -> Any:
+        return self._get().options(**kw)
+
+    def remote(self, *a: Any, **kw: Any) -> Any:
+        return self._get().remote(*a, **kw)
+
+    def _get(self) -> Any:
+        if self.actor is None:
+            # bookkeeping and memory copies: no CPU reserved, so they never wait behind training
+            self.actor = _remote(self.cls, num_cpus=0, max_concurrency=4)
+        return self.actor
+
+
+SnapshotHolder = _Lazy(SnapshotHolderImpl)
+RecoveryCoordinator = _Lazy(RecoveryCoordinatorImpl)
+
+
+class FailureClock:
+    """A Ray Train callback (runs in the controller) that tells the coordinator when a worker
+    failure was first seen: the start of `recovery/seconds`."""
+
+    def __new__(cls, coordinator: Any) -> Any:
+        from ray.train import UserCallback
+
+        class _Clock(UserCallback):
+            def __init__(self, coordinator: Any) -> None:
+                self.coordinator = coordinator
+
+            def after_exception(self, run_context: Any, worker_exceptions: dict) -> None:
+                self.coordinator.failure_detected.remote(time.time())
+
+        return _Clock(coordinator)
+
+
+# ---- on every worker ------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    """How a worker's state came to be: source "peer" (in-memory copies), "storage", "resume"
+    (train.resume_from) or "fresh", and the step it resumes from."""
+
+    source: str
+    step: int
+    detail: str = ""
+    event: int | None = None  # index of the coordinator's event, for rank 0
+
+
+class Recovery:
+    """A worker's side of snapshots and restores.
+
+    Args:
+        coordinator: the job's RecoveryCoordinator (None: no in-memory snapshots, e.g. local runs).
+        grid, groups: this attempt's grid and this worker's process groups.
+        nodes: node id of every rank of the grid.
+        attempt: this attempt's number.
+    """
+
+    def __init__(self, coordinator: Any, grid: "Grid", groups: "GridGroups", nodes: Sequence[str], attempt: int) -> None:
+        self.coordinator, self.grid, self.groups, self.nodes, self.attempt = coordinator, grid, groups, list(nodes), attempt
+        self.rank = groups.coords.rank
+        self.node = self.nodes[self.rank]
+        self._holder: Any = None
+        self._inflight: list[Any] = []
+        self.snapshots = 0
+
+    @property
+    def holder(self) -> Any:
+        import ray
+
+        if self._holder is None:
+            self._holder = ray.get(self.coordinator.holder_for.remote(self.node))
+        return self._holder
+
+    # ---- what this worker sends ---------------------------------------------------------------------
+    def sends_shard(self) -> bool:
+        """Whether this worker hands its node's holder the copy of its shard position: the first
+        sharding group with that position on this node does."""
+        g, c = self.grid, self.groups.coords
+        here = [i for i in range(g.num_groups) if self.nodes[g.global_rank(i, c.shard_rank)] == self.node]
+        return c.sharding_group == min(here)
+
+    def sends_job_state(self) -> bool:
+        """Whether this worker hands its node's holder the dense part and the progress: the lowest rank on the node."""
+        return self.rank == min(r for r in range(self.grid.world_size) if self.nodes[r] == self.node)
+
+    def snapshot(self, trainer: "Trainer") -> None:
+        """Hand this worker's share of the state to its node's holder (collective: every worker of
+        the grid calls it at the same step). Returns once the copies are in the object store;
+        the holder copies them out while training goes on."""
+        import ray
+
+        step = trainer.state.step
+        self._settle()
+        # every worker's own NE window (a few KiB; the restore sums them), no collective here
+        payload: dict[str, Any] = {f"window/{self.rank}": trainer.metrics.own_window().numpy()}
+        if self.sends_shard():
+            payload[f"shard/{self.groups.coords.shard_rank}"] = [_numpy(t) for t in trainer.shard_tensors()]
+        if self.sends_job_state():
+            payload["dense"] = {k: v.numpy() for k, v in trainer.dense_state().items()}
+            payload["progress"] = {"progress": trainer.state.progress()}
+        # one copy into the object store, now (the step may change the tensors next), and one call
+        self._inflight.append(self.holder.put_many.remote(step, ray.put(payload)))
+        self.snapshots += 1
+
+    def _settle(self) -> None:
+        """Wait for the previous snapshot's copies (memory stays bounded by two generations)."""
+        import ray
+
+        if self._inflight:
+            ray.get(self._inflight)
+            self._inflight = []
+
+    # ---- restore ------------------------------------------------------------------------------------------
+    def restore(self, trainer: "Trainer", checkpointer: "Checkpointer | None", storage_checkpoint: str | None,
+                resume_from: str | None, say: Any = print) -> Restored:
+        """Bring `trainer` to the newest state that survives (see the module docstring). Collective
+        over the grid; global rank 0 decides, records the event and prints why."""
+        import ray
+        import torch.distributed as dist
+
+        decision: list[Any] = [self._decide(storage_checkpoint, resume_from) if self.rank == 0 else None]
+        dist.broadcast_object_list(decision, group=self.groups.global_pg, group_src=0)
+        d = decision[0]
+        if self.rank == 0 and d.get("why"):
+            say(d["why"])
+        t0 = time.time()
+        detail = ""
+        fetched: dict[str, Any] = {}
+        if d["source"] == "peer":
+            fetched = self._restore_from_holders(trainer, d["plan"])
+        elif d["source"] in ("storage", "resume"):
+            assert checkpointer is not None
+            checkpointer.load(trainer, d["path"])
+            detail = d["path"]
+        restore_s = time.time() - t0
+        restored = Restored(d["source"], trainer.state.step, detail)
+        if self.coordinator is None:
+            return restored
+        if self.rank == 0:  # what was written after the restore point is written again
+            ray.get(self.coordinator.drop_after.remote(restored.step))
+        if d["source"] == "fresh":
+            return restored
+        event: dict[str, Any] = {
+            "t_restore_start": t0, "t_restore_end": t0 + restore_s, "attempt": self.attempt, "source": d["source"], "step": restored.step, "failure_step": d.get("failure_step"),
+            "restore_s": restore_s, "detail": detail, "num_groups": self.grid.num_groups,
+            "world_size": self.grid.world_size, "missing": d.get("missing", []), "lost_nodes": d.get("lost_nodes", []),
+            "why": d.get("why", ""),
+        }
+        if d["source"] == "peer":
+            t1 = time.time()
+            mine = self._verify(trainer, d["plan"]["step"], fetched)
+            shards: list[Any] = [None] * self.grid.world_size
+            dist.all_gather_object(shards, mine, group=self.groups.global_pg)
+            event.update(shards=shards, verify_s=time.time() - t1)
+            restored.detail = "; ".join(sorted({f"shard {s['shard']} from {'this node' if s['same_node'] else 'another node'}"
+                                                 for s in shards}))
+            event["detail"] = restored.detail
+        if self.rank == 0:
+            restored.event = ray.get(self.coordinator.record.remote(event))
+        return restored
+
+    def _decide(self, storage_checkpoint: str | None, resume_from: str | None) -> dict[str, Any]:
+        """Rank 0's choice of source (the module docstring's order)."""
+        import ray
+
+        from recgrid.train.checkpoint import checkpoint_step
+
+        if self.coordinator is not None:
+            status = ray.get(self.coordinator.status.remote())
+            failure_step = status["last_step"]
+            storage_checkpoint = ray.get(self.coordinator.latest_checkpoint.remote([storage_checkpoint]))
+            plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size))
+            stored_step = checkpoint_step(storage_checkpoint) if storage_checkpoint else None
+            if plan["step"] is not None and (stored_step is None or plan["step"] >= stored_step):
+                nodes = len({n for ns in plan["where"].values() for n in ns})
+                return {"source": "peer", "plan": plan, "failure_step": failure_step, "lost_nodes": plan["lost_nodes"],
+                        "why": f"restoring step {plan['step']} from in-memory copies held on {nodes} node(s); "
+                               f"no storage read"}
+            if storage_checkpoint:
+                lost = ", ".join(plan["lost_nodes"]) or "none"
+                missing = ", ".join(plan.get("missing") or []) or "none"
+                return {"source": "storage", "path": storage_checkpoint, "failure_step": failure_step,
+                        "missing": plan.get("missing", []), "lost_nodes": plan["lost_nodes"],
+                        "why": f"no complete in-memory copy survives (missing: {missing}; nodes lost: {lost}); "
+                               f"restoring from the storage checkpoint {storage_checkpoint}"}
+            if len(status["attempts"]) > 1 and not resume_from:
+                held = ", ".join(map(str, plan.get("generations", []))) or "none"
+                missing = ", ".join(plan.get("missing") or []) or "none"
+                return {"source": "fresh", "why": f"no in-memory copy (generations held: {held}; newest misses: "
+                                                  f"{missing}) and no storage checkpoint survives: training starts "
+                                                  f"again from step 0"}
+        if resume_from:
+            return {"source": "resume", "path": resume_from, "why": f"resuming from the checkpoint {resume_from}"}
+        return {"source": "fresh"}
+
+    def _restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, str]:
+        """Fetch this worker's shard position, the dense part and the progress from the holders
+        (this node's first) and load them. Returns where the shard came from."""
+        import ray
+        import torch
+
+        step, where = plan["step"], plan["where"]
+        chosen: dict[str, str] = {}
+
+        def fetch(key: str) -> Any:
+            nodes = where[key]
+            chosen[key] = self.node if self.node in nodes else nodes[0]
+            holder = ray.get(self.coordinator.holder_for.remote(chosen[key]))
+            (ref,) = ray.get(holder.get.remote(step, key))
+            return ray.get(ref)  # mapped from this node's object store (moved here if it lives elsewhere)
+
+        key = f"shard/{self.groups.coords.shard_rank}"
+        shard, dense, progress = fetch(key), fetch("dense"), fetch("progress")
+        window = None
+        if self.rank == 0:  # the NE window: the sum of every surviving worker's (a metric, not the model)
+            where.update(plan.get("windows", {}))
+            windows = [fetch(k) for k in plan.get("windows", {})]
+            window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
+        trainer.restore([_tensor(a) for a in shard], {k: _tensor(v) for k, v in dense.items()},
+                        progress["progress"], window)
+        return {"key": key, "node": chosen[key], "tensors": len(shard)}
+
+    def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, str]) -> dict[str, Any]:
+        """This worker's restored shard checksum beside the holder copy's: bit for bit or an error."""
+        import ray
+
+        holder = ray.get(self.coordinator.holder_for.remote(fetched["node"]))
+        source = ray.get(holder.digest_of.remote(step, fetched["key"]))
+        restored = digest([_numpy(t) for t in trainer.shard_tensors()[:fetched["tensors"]]])
+        if restored != source:
+            raise RuntimeError(f"{fetched['key']} restored from node {fetched['node']} differs from the copy held "
+                               f"there ({restored} != {source})")
+        return {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": restored, "source_digest": source,
+                "from_node": fetched["node"], "same_node": fetched["node"] == self.node}
+
+    def replica_digests(self, trainer: "Trainer") -> list[str]:
+        """Every replica-group member's shard digest (collective in the replica group)."""
+        import torch.distributed as dist
+
+        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:len(_kernel_tensors(trainer))]])
+        out: list[Any] = [None] * dist.get_world_size(self.groups.replica_pg)
+        dist.all_gather_object(out, mine, group=self.groups.replica_pg)
+        return out
+
+    def close(self) -> None:
+        self._settle()
+
+
+def _kernel_tensors(trainer: "Trainer") -> list["torch.Tensor"]:
+    from recgrid.engine.sync import embedding_weights, optimizer_states
+
+    return embedding_weights(trainer.model) + optimizer_states(trainer.model)
+
+
+def _tensor(a: np.ndarray) -> "torch.Tensor":
+    """A tensor viewing `a` (read-only memory of the object store: it is only copied from)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable
+        return torch.from_numpy(a)
+
+
+def _numpy(t: "torch.Tensor") -> np.ndarray:
+    """A CPU numpy view of `t` (a copy only for device tensors)."""
+    t = t.detach()
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+

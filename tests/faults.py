@@ -1,0 +1,112 @@
+"""Helpers for the fault-tolerance tests: a small job config, a job run in the background
+with its recovery coordinator in reach, and the row-id audit of what a job trained."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from recgrid.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_job(tmp: Path, name: str, *overrides: str):
+    """T=4, M=2, K=5 on synthetic parquet data (40k rows: one epoch is 156 steps), row ids logged."""
+    data = tmp.parent / "data"  # every job of a test module reads the same generated rows
+    return load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={data}/train/*.parquet", f"data.eval={data}/eval/*.parquet",
+        "data.synth_rows=40000", "data.synth_eval_rows=8000", f"data.row_log={tmp}/rows",
+        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
+        "train.max_steps=80", "train.batch_size=64", "train.log_every=10", "train.eval_every=0",
+        f"train.storage_path={tmp}/storage", f"tracking.tracking_uri=sqlite:///{tmp.parent}/mlflow.db",
+        f"tracking.experiment={name}", *overrides,
+    ])
+
+
+class BackgroundJob:
+    """`run_job(config)` in a thread; `status()` reads the job's recovery coordinator."""
+
+    def __init__(self, config: Any) -> None:
+        from recgrid.launch.ray import run_job
+
+        self.coordinator = None
+        self.result = None
+        self.thread = threading.Thread(target=self._run, args=(run_job, config), daemon=True)
+        self.thread.start()
+
+    def _run(self, run_job: Callable, config: Any) -> None:
+        self.result = run_job(config, on_start=lambda c: setattr(self, "coordinator", c))
+
+    def status(self) -> dict | None:
+        import ray
+
+        if self.coordinator is None:
+            return None
+        try:
+            return ray.get(self.coordinator.status.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the job may be between states
+            return None
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 300) -> dict:
+        """Poll until `predicate(status)` holds (the job must still be running)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            st = self.status()
+            if st is not None and predicate(st):
+                return st
+            if not self.thread.is_alive():
+                raise AssertionError(f"the job ended while waiting: {self.result}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting; last status: {self.status()}")
+
+    def join(self, timeout: float = 600) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the job did not finish"
+        return self.result
+
+
+def training(st: dict, attempt: int, past_step: int = 0) -> bool:
+    """Attempt `attempt` has all its workers registered and has trained past `past_step`."""
+    return (len(st["attempts"]) > attempt and len(st["attempts"][attempt]["workers"]) == st["attempts"][attempt]["world_size"]
+            and st["last_step"] > past_step)
+
+
+def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+    """What a job trained, from its row log: step -> row ids of the attempt that last trained
+    the step (the timeline that survived), and attempt -> rows it trained that a later attempt
+    trained again (the work a restore rolled back)."""
+    from recgrid.train.worker import read_row_logs
+
+    by_attempt: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+    for (attempt, _), arr in read_row_logs(str(directory)).items():
+        by_attempt[attempt].append(arr)
+    final: dict[int, tuple[int, np.ndarray]] = {}
+    for attempt in sorted(by_attempt):
+        arr = np.concatenate(by_attempt[attempt])
+        for step in np.unique(arr[:, 0]):
+            final[int(step)] = (attempt, np.sort(arr[arr[:, 0] == step, 1]))
+    redone = {}
+    for attempt, parts in by_attempt.items():
+        steps = np.concatenate(parts)[:, 0]
+        redone[attempt] = int(sum(final[int(s)][0] != attempt for s in steps))
+    return {s: ids for s, (_, ids) in final.items()}, redone
+
+
+def mlflow_client(config: Any):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=config.tracking.tracking_uri)
+
+
+def ray_env() -> dict[str, str]:
+    """Environment for the jobs' Ray workers: quiet, and quick to give up on a worker group that
+    cannot start (an elastic job retries with fewer workers)."""
+    return {"PYTHONWARNINGS": "ignore", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -1,0 +1,120 @@
+"""`recgrid compare`: a real two-configuration sweep (M=1 and M=2) on one local Ray cluster, read
+back through MLflow: one parent run, a child per configuration, the table as CSV and Markdown and
+the chart as artifacts of the parent, the relative columns computed against M=1. The sweep's
+refusals and the reference without M=1 need no cluster."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+from recgrid.launch.compare import (
+    COLUMNS,
+    CompareError,
+    add_relative,
+    markdown_table,
+    parse_list,
+    plan_sweep,
+    reference_note,
+    run_compare,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "jobs" / "local_demo.yaml"
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    import ray
+
+    tmp = tmp_path_factory.mktemp("compare")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    overrides = [f"data.train={tmp}/data/train/*.parquet", f"data.eval={tmp}/data/eval/*.parquet",
+                 "data.synth_rows=6000", "data.synth_eval_rows=2000", "grid.world_size=4",
+                 f"train.max_steps={STEPS}", "train.batch_size=64", "train.log_every=5", "train.eval_every=0",
+                 f"train.storage_path={tmp}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=test-compare"]
+    variants = plan_sweep(DEMO, [1, 2], None, overrides)
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        result = run_compare(variants, DEMO)
+    finally:
+        ray.shutdown()
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri), result
+
+
+def test_one_parent_run_with_a_child_per_configuration(sweep):
+    client, result = sweep
+    assert result.status == "FINISHED", result.rows
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-T4-M1,2-K5"
+    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["global_batch"] == "256"
+    exp = client.get_experiment(parent.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["T4-M1-K5", "T4-M2-K5"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert len(client.search_runs([exp.experiment_id])) == 3  # nothing else
+    for c in children:  # the same job but for M (and c = M, which follows it)
+        assert c.data.params["world_size"] == "4" and c.data.params["train.batch_size"] == "64"
+        assert c.data.params["data.train"] == parent.data.params["data.train"]
+        assert c.data.metrics["train/examples_total"] == STEPS * 4 * 64
+
+
+def test_table_artifacts_and_relative_columns(sweep, tmp_path):
+    client, result = sweep
+    names = {a.path for a in client.list_artifacts(result.parent_run_id, "compare")}
+    assert names == {"compare/table.csv", "compare/table.md", "compare/chart.png"}
+    local = Path(client.download_artifacts(result.parent_run_id, "compare", str(tmp_path)))
+    assert (local / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (local / "table.md").read_text() == result.markdown
+
+    rows = {r["config"]: r for r in csv.DictReader(io.StringIO((local / "table.csv").read_text()))}
+    ref, m2 = rows["M=1"], rows["M=2 K=5"]
+    assert ref["reference"] == m2["reference"] == "M=1"
+    assert (ref["M"], ref["L"], m2["M"], m2["L"], m2["K"]) == ("1", "4", "2", "2", "5")
+    for key, _, _, kind in COLUMNS:
+        rel = f"{key}_rel_{'pp' if kind == 'pp' else 'pct'}"
+        assert ref[key] != "", key  # every column has a value
+        assert float(ref[rel]) == 0.0
+        v, b = float(m2[key]), float(ref[key])
+        expected = (v - b) * 100 if kind == "pp" else (v / b - 1) * 100
+        assert float(m2[rel]) == pytest.approx(expected), key
+    # the figures are the child runs' own
+    child = client.get_run(m2["run_id"]).data.metrics
+    assert float(m2["qps"]) == pytest.approx(child["train/qps_median"])
+    assert float(m2["eval_ne"]) == pytest.approx(child["eval/ne"])
+    assert float(ref["sync_share"]) == 0.0 < float(m2["sync_share"]) < 1  # M=1 never syncs replicas
+    assert "(ref)" in result.markdown and "pp)" in result.markdown and "relative to M=1" in result.markdown
+
+
+def test_invalid_sweeps_are_refused_naming_the_value():
+    with pytest.raises(CompareError, match=r"--groups 3: grid.num_groups: M=3 must divide grid.world_size T=4"):
+        plan_sweep(DEMO, [1, 3], None)
+    with pytest.raises(CompareError, match=r"--groups 2 --sync-every 3: train.checkpoint_every"):
+        plan_sweep(DEMO, [2], [5, 3], ["train.checkpoint_every=5"])
+    with pytest.raises(CompareError, match=r"--groups 'two': not an integer"):
+        parse_list("--groups", "1,two")
+    with pytest.raises(CompareError, match=r"--groups 2: given twice"):
+        parse_list("--groups", "2,2")
+    # M=1 has no replica groups: one run for every K
+    assert [(v.num_groups, v.sync_every) for v in plan_sweep(DEMO, [1, 2], [1, 5])] == [(1, 1), (2, 1), (2, 5)]
+
+
+def test_without_m1_the_smallest_m_is_the_reference_and_the_table_says_so():
+    rows = [{"config": f"M={m} K=5", "M": m, "L": 8 // m, "status": "FINISHED", "qps": q, "peak_memory_mib": 100.0,
+             "mean_memory_mib": 90.0, "lookup_imbalance": 1.2, "sync_share": s, "eval_ne": 0.8, "eval_auc": None}
+            for m, q, s in ((2, 1000.0, 0.05), (4, 1500.0, 0.08))]
+    add_relative(rows, rows[0])
+    assert rows[1]["qps_rel"] == pytest.approx(50.0) and rows[1]["sync_share_rel"] == pytest.approx(3.0)
+    assert rows[1]["eval_auc_rel"] is None
+    note = reference_note(rows, rows[0])
+    assert "M=1 is not in the sweep" in note and "relative to M=2 K=5" in note and "add 1 to --groups" in note
+    table = markdown_table(rows, rows[0], note)
+    assert "1,500 (+50.00%)" in table and "8.0% (+3.0 pp)" in table and "n/a" in table

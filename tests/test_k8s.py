@@ -1,0 +1,462 @@
+"""k8s/: every manifest validates, and the lock-down, the job wiring and the image are checked.
+
+Core objects are validated strictly with kubernetes-validate; KubeRay objects with jsonschema
+against KubeRay 1.7's CRD schemas (made strict: the API server would silently prune an unknown
+field), and the pod templates inside them strictly as Kubernetes PodTemplates. The rest reads the
+manifests the way the cluster would: which pods a NetworkPolicy selects and admits, which
+container runs as whom, where each secret comes from, what the RayJob's command does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import shlex
+from fractions import Fraction
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from recgrid.cli import build_parser
+from recgrid.config import load_config
+from recgrid.engine.grid import Grid
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay-v1.7.0"
+K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests are checked against
+NAMESPACE = "recgrid"
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+# labels KubeRay puts on the pods it creates, next to the template's own
+KUBERAY_POD_LABELS = {"head": {"ray.io/node-type": "head", "ray.io/is-ray-node": "yes"},
+                      "worker": {"ray.io/node-type": "worker", "ray.io/is-ray-node": "yes"}}
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|CREDENTIAL|(^|_)KEY$", re.I)
+
+
+# ---- loading --------------------------------------------------------------------------------
+def _load() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+DOCS = _load()
+
+
+def _kind(kind: str) -> list[dict]:
+    return [d for _, d in DOCS if d["kind"] == kind]
+
+
+def _ids(docs):
+    return [f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in docs]
+
+
+@pytest.fixture(scope="module")
+def crd_schemas() -> dict[str, dict]:
+    out = {}
+    for kind, name in CRD_FILES.items():
+        crd = yaml.load((SCHEMAS / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        out[kind] = _strict(v1["schema"]["openAPIV3Schema"])
+    return out
+
+
+def _strict(schema):
+    """The CRD schema with unknown fields refused where the schema lists the fields."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(role, pod template) of every pod an object makes: 'head', 'worker', 'submitter' or 'pod'."""
+    spec = doc.get("spec", {})
+    if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+        return [("pod", spec["template"])]
+    if doc["kind"] == "RayCluster":
+        return _ray_templates(spec)
+    if doc["kind"] == "RayJob":
+        out = _ray_templates(spec["rayClusterSpec"])
+        if "submitterPodTemplate" in spec:
+            out.append(("submitter", spec["submitterPodTemplate"]))
+        return out
+    return []
+
+
+def _ray_templates(spec: dict) -> list[tuple[str, dict]]:
+    return [("head", spec["headGroupSpec"]["template"])] + [("worker", g["template"]) for g in spec["workerGroupSpecs"]]
+
+
+def _ray_specs() -> list[tuple[str, dict]]:
+    return ([(c["metadata"]["name"], c["spec"]) for c in _kind("RayCluster")]
+            + [(j["metadata"]["name"], j["spec"]["rayClusterSpec"]) for j in _kind("RayJob")])
+
+
+# ---- schema validation ------------------------------------------------------------------------
+def test_manifests_exist():
+    kinds = {d["kind"] for _, d in DOCS}
+    assert {"Namespace", "Secret", "PersistentVolumeClaim", "NetworkPolicy", "Deployment", "Service",
+            "RayCluster", "RayJob"} <= kinds
+    assert {n for _, d in DOCS if d["kind"] == "RayCluster" for n in [d["metadata"]["name"]]} >= {"recgrid-gpu", "recgrid-cpu"}
+
+
+CORE = [x for x in DOCS if x[1]["kind"] not in CRD_FILES]
+KUBERAY = [x for x in DOCS if x[1]["kind"] in CRD_FILES]
+
+
+@pytest.mark.parametrize("doc", [d for _, d in CORE], ids=_ids(CORE))
+def test_core_objects_validate(doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    if doc["kind"] != "Namespace":
+        assert doc["metadata"].get("namespace") == NAMESPACE
+
+
+@pytest.mark.parametrize("doc", [d for _, d in KUBERAY], ids=_ids(KUBERAY))
+def test_kuberay_objects_validate(doc, crd_schemas):
+    assert doc["apiVersion"] == "ray.io/v1"
+    assert doc["metadata"].get("namespace") == NAMESPACE
+    jsonschema.validate(doc, crd_schemas[doc["kind"]])
+    for role, template in _pod_templates(doc):  # the embedded pods, as Kubernetes itself checks pods
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role},
+                                      "template": template}, K8S_VERSION, strict=True)
+
+
+def test_strict_crd_schema_refuses_unknown_fields(crd_schemas):
+    """The strictness above is real: a misspelt field fails."""
+    cluster = copy.deepcopy(_kind("RayCluster")[0])
+    cluster["spec"]["workerGroupSpecs"][0]["minReplica"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="minReplica"):
+        jsonschema.validate(cluster, crd_schemas["RayCluster"])
+
+
+# ---- locked down ----------------------------------------------------------------------------------
+def test_services_are_cluster_ip_only():
+    for svc in _kind("Service"):
+        spec = svc["spec"]
+        assert spec.get("type", "ClusterIP") == "ClusterIP", svc["metadata"]["name"]
+        assert not spec.get("externalIPs") and not any("nodePort" in p for p in spec["ports"])
+    for name, spec in _ray_specs():
+        head = spec["headGroupSpec"]
+        assert head.get("serviceType") == "ClusterIP", name  # KubeRay's head Service
+        assert not head.get("enableIngress"), name
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        k, op, values = e["key"], e["operator"], e.get("values", [])
+        if op == "In" and labels.get(k) not in values:
+            return False
+        if op == "NotIn" and labels.get(k) in values:
+            return False
+        if op == "Exists" and k not in labels:
+            return False
+        if op == "DoesNotExist" and k in labels:
+            return False
+    return True
+
+
+def _port_matches(ports, number: int, name: str | None) -> bool:
+    if not ports:
+        return True  # a rule without ports admits every port
+    for p in ports:
+        port = p.get("port")
+        if port is None or port == number or (name is not None and port == name):
+            return True
+        if isinstance(port, int) and p.get("endPort") and port <= number <= p["endPort"]:
+            return True
+    return False
+
+
+def admitted_peers(pod_labels: dict, port: int, port_name: str | None = None) -> list[dict] | None:
+    """The NetworkPolicy peers that may reach `port` of a pod with `pod_labels` in NAMESPACE:
+    None if no ingress policy selects the pod (everything may), [{}] if some rule has no `from`
+    (anyone may), else the union of the matching rules' `from` peers."""
+    selecting = [p for p in _kind("NetworkPolicy") if p["metadata"]["namespace"] == NAMESPACE
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and _selects(p["spec"]["podSelector"], pod_labels)]
+    if not selecting:
+        return None
+    peers: list[dict] = []
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            if _port_matches(rule.get("ports"), port, port_name):
+                if not rule.get("from"):
+                    return [{}]
+                peers += rule["from"]
+    return peers
+
+
+def _in_namespace_only(peer: dict) -> bool:
+    """A peer that can only be a pod of NAMESPACE: a podSelector without a namespaceSelector
+    (the policy's own namespace), or a namespaceSelector pinned to NAMESPACE's name."""
+    if "ipBlock" in peer or not peer:
+        return False
+    if "namespaceSelector" not in peer:
+        return "podSelector" in peer
+    ns = peer["namespaceSelector"]
+    return (ns.get("matchLabels") or {}).get("kubernetes.io/metadata.name") == NAMESPACE and not ns.get("matchExpressions")
+
+
+def _pod_labels(doc_kind: str, role: str, template: dict) -> dict:
+    return {**(template.get("metadata", {}).get("labels") or {}), **KUBERAY_POD_LABELS.get(role, {})}
+
+
+def test_network_policy_admits_ray_and_mlflow_ports_only_from_the_namespace():
+    heads = [_pod_labels("RayCluster", "head", s["headGroupSpec"]["template"]) for _, s in _ray_specs()]
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    mlflow_labels = mlflow["spec"]["template"]["metadata"]["labels"]
+    mlflow_port = mlflow["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    cases = ([(h, 8265, "dashboard") for h in heads] + [(h, 6379, "gcs-server") for h in heads]
+             + [(mlflow_labels, mlflow_port, "http")])
+    for labels, port, name in cases:
+        peers = admitted_peers(labels, port, name)
+        assert peers is not None, f"no NetworkPolicy selects {labels}: port {port} is open to all"
+        assert peers, f"port {port} of {labels} is closed to everyone, the namespace included"
+        outside = [p for p in peers if not _in_namespace_only(p)]
+        assert not outside, f"port {port} of {labels} is admitted from outside namespace {NAMESPACE}: {outside}"
+
+
+def test_network_policy_semantics_are_checked():
+    """The checker itself: a pod no policy selects is open, and an outside peer is caught."""
+    assert _in_namespace_only({"podSelector": {}})
+    assert not _in_namespace_only({"namespaceSelector": {}, "podSelector": {}})  # every namespace
+    assert not _in_namespace_only({"ipBlock": {"cidr": "0.0.0.0/0"}})
+    assert not _in_namespace_only({})
+    # every pod is under the default deny: nothing is open by omission
+    assert admitted_peers({"app.kubernetes.io/name": "anything-new"}, 8265) == []
+
+
+def test_postgres_only_from_mlflow_and_metrics_from_monitoring():
+    (pg,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-postgres"]
+    peers = admitted_peers(pg["spec"]["template"]["metadata"]["labels"], 5432, "postgres")
+    assert peers and all(_in_namespace_only(p) for p in peers)
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    ray_head = _pod_labels("RayCluster", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
+    assert all(_selects(p["podSelector"], mlflow["spec"]["template"]["metadata"]["labels"]) for p in peers)
+    assert not any(_selects(p["podSelector"], ray_head) for p in peers), "Ray pods may reach PostgreSQL"
+    metrics = admitted_peers(ray_head, 8080, "metrics")
+    assert any((p.get("namespaceSelector") or {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == "monitoring"
+               for p in metrics), "Prometheus in namespace monitoring cannot scrape the Ray metrics port"
+
+
+def _quantity(q) -> Fraction:
+    units = {"m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
+    assert m and (m.group(2) in units or not m.group(2)), f"quantity {q!r}"
+    return Fraction(m.group(1)) * units.get(m.group(2), 1)
+
+
+def _containers(doc: dict) -> list[tuple[str, dict, dict]]:
+    """(what, container, pod spec) of every container an object runs, the KubeRay autoscaler included."""
+    out = []
+    for role, template in _pod_templates(doc):
+        pod = template["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            out.append((f"{doc['metadata']['name']}/{role}/{c['name']}", c, pod))
+    specs = [doc["spec"]] if doc["kind"] == "RayCluster" else [doc["spec"]["rayClusterSpec"]] if doc["kind"] == "RayJob" else []
+    for spec in specs:
+        if spec.get("enableInTreeAutoscaling"):
+            head_pod = spec["headGroupSpec"]["template"]["spec"]
+            out.append((f"{doc['metadata']['name']}/autoscaler", spec.get("autoscalerOptions", {}), head_pod))
+    return out
+
+
+ALL_CONTAINERS = [x for _, d in DOCS for x in _containers(d)]
+
+
+@pytest.mark.parametrize("what,container,pod", ALL_CONTAINERS, ids=[w for w, _, _ in ALL_CONTAINERS])
+def test_containers_run_as_non_root_with_requests_and_limits(what, container, pod):
+    pod_sc, sc = pod.get("securityContext") or {}, container.get("securityContext") or {}
+    assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, f"{what}: runAsNonRoot is not true"
+    assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, f"{what}: runs as uid 0"
+    assert sc.get("allowPrivilegeEscalation") is False, f"{what}: may escalate privileges"
+    assert not sc.get("privileged"), what
+    assert "ALL" in (sc.get("capabilities") or {}).get("drop", []), f"{what}: keeps Linux capabilities"
+    res = container.get("resources") or {}
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(res.get(kind) or {}), f"{what}: no cpu/memory {kind}"
+    for name, limit in res["limits"].items():
+        assert _quantity(res["requests"].get(name, limit)) <= _quantity(limit), f"{what}: {name} request above its limit"
+
+
+def test_root_refused_by_the_check():
+    what, container, pod = copy.deepcopy(ALL_CONTAINERS[0])
+    container["securityContext"]["runAsNonRoot"] = False
+    pod.get("securityContext", {}).pop("runAsNonRoot", None)
+    with pytest.raises(AssertionError, match="runAsNonRoot"):
+        test_containers_run_as_non_root_with_requests_and_limits(what, container, pod)
+
+
+def _secret_keys() -> set[tuple[str, str]]:
+    return {(s["metadata"]["name"], k) for s in _kind("Secret") for k in {**s.get("data", {}), **s.get("stringData", {})}}
+
+
+def test_secrets_are_templates_and_come_from_secret_key_refs():
+    for s in _kind("Secret"):  # the shipped Secrets are placeholders, never real values
+        assert s.get("stringData") and not s.get("data"), s["metadata"]["name"]
+        for key, value in s["stringData"].items():
+            assert value.startswith("CHANGE_ME"), f"Secret {s['metadata']['name']}.{key} holds a value"
+    known = _secret_keys()
+    placeholders = [v for s in _kind("Secret") for v in s["stringData"].values()]
+    refs = 0
+    for what, container, _ in ALL_CONTAINERS:
+        for env in container.get("env", []):
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if SECRET_NAME.search(env["name"]):
+                assert ref and "value" not in env, f"{what}: {env['name']} is not read from a Secret"
+            if ref:
+                refs += 1
+                assert (ref["name"], ref["key"]) in known, f"{what}: {env['name']} names a Secret key no template declares"
+            if "value" in env:
+                assert not re.search(r"://[^/@\s]*:[^/@\s]*@", env["value"]), f"{what}: credentials in {env['name']}"
+        text = " ".join(container.get("command", []) + container.get("args", []))
+        assert not re.search(r"://[^/@\s]*:[^/@\s]*@", text), f"{what}: credentials on the command line"
+        assert not any(p in text for p in placeholders)
+    assert refs >= 2  # PostgreSQL's and MLflow's database password at least
+    for name, spec in _ray_specs():  # the Ray auth token: KubeRay reads it from the named Secret
+        auth = spec.get("authOptions") or {}
+        assert auth.get("mode") == "token", f"{name}: Ray token authentication is off"
+        assert (auth.get("secretName"), "auth_token") in known, f"{name}: authOptions.secretName names no Secret with auth_token"
+
+
+# ---- Ray: versions, drain, the job ------------------------------------------------------------------
+def _lock_pin(package: str) -> str:
+    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
+        if line.lower().startswith(package + "=="):
+            return line.split("==")[1].strip()
+    raise AssertionError(f"{package} is not pinned in requirements/lock.txt")
+
+
+def _version() -> str:
+    return re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_ray_version_and_images_match_the_pinned_stack():
+    ray_pin, version = _lock_pin("ray"), _version()
+    for name, spec in _ray_specs():
+        assert spec["rayVersion"] == ray_pin, name
+    images = {c["image"] for _, d in DOCS if d["kind"] in CRD_FILES for _, c, _ in _containers(d) if "image" in c}
+    assert len(images) == 1 and images.pop().endswith(f"/recgrid:{version}")
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    assert mlflow["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f"/recgrid-mlflow:{version}")
+
+
+@pytest.mark.parametrize("name,spec", _ray_specs(), ids=[n for n, _ in _ray_specs()])
+def test_termination_grace_exceeds_ray_drain_timeout(name, spec):
+    """`ray start --block` drains its node for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S seconds on
+    SIGTERM (Ray 2.60, ray/_private/ray_constants.py); Kubernetes must not SIGKILL before that."""
+    for role, template in _ray_templates(spec):
+        pod = template["spec"]
+        (ray_container,) = pod["containers"][:1]
+        env = {e["name"]: e.get("value") for e in ray_container.get("env", [])}
+        assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" in env, f"{name}/{role}: drain timeout left at Ray's default"
+        drain = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        assert drain >= 60, f"{name}/{role}: {drain} s is too short to checkpoint"
+        assert pod.get("terminationGracePeriodSeconds", 30) > drain, f"{name}/{role}: SIGKILL comes before the drain ends"
+
+
+def _entrypoint_config(job: dict):
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[0] == "recgrid", argv
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "train"
+    # the job runs in the image's copy of the repository (runtimeEnvYAML's working_dir)
+    runtime_env = yaml.safe_load(job["spec"].get("runtimeEnvYAML") or "{}")
+    assert runtime_env.get("working_dir") == "/home/ray/recgrid"
+    return load_config(ROOT / args.config, args.set, check_paths=False)
+
+
+@pytest.mark.parametrize("job", _kind("RayJob"), ids=[j["metadata"]["name"] for j in _kind("RayJob")])
+def test_rayjob_runs_a_valid_recgrid_command_on_a_cluster_that_fits_it(job):
+    spec = job["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    cfg = _entrypoint_config(job)
+    # the cluster the job creates is the RayCluster of the same instance, field for field
+    instance = job["metadata"]["labels"]["app.kubernetes.io/instance"]
+    (cluster,) = [c for c in _kind("RayCluster") if c["metadata"]["name"] == instance]
+    assert spec["rayClusterSpec"] == cluster["spec"]
+    (group,) = spec["rayClusterSpec"]["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    gpus = int(limits.get("nvidia.com/gpu", 0))
+    assert cfg.train.use_gpu == (gpus > 0), "GPU job on CPU pods or the reverse"
+    per_pod = gpus if gpus else math.floor(_quantity(limits["cpu"]) / Fraction(str(cfg.train.cpus_per_worker)))
+    # elastic: the worker group's range is the job's range of workers (grid.min_world_size once it exists)
+    T = cfg.grid.world_size
+    T_min = getattr(cfg.grid, "min_world_size", None) or T
+    assert (group["minReplicas"], group["maxReplicas"]) == (math.ceil(T_min / per_pod), math.ceil(T / per_pod))
+    assert group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]
+    # the grid's layout holds on pods of this size (host-local: every replica group inside a pod)
+    Grid(world_size=T, num_groups=cfg.grid.num_groups, layout=cfg.grid.layout, workers_per_node=min(per_pod, T))
+    # absolute data and storage paths are on a volume every Ray pod mounts (the driver runs on the head)
+    for _, template in _ray_templates(spec["rayClusterSpec"]):
+        mounts = {m["mountPath"] for m in template["spec"]["containers"][0].get("volumeMounts", [])}
+        for path in [*cfg.data.train, *cfg.data.eval, cfg.train.storage_path or ""]:
+            if path.startswith("/"):
+                assert any(path.startswith(m + "/") or path == m for m in mounts), f"{path} is on no volume of the pods"
+    if cfg.tracking.tracking_uri:
+        svc = re.match(r"http://([a-z0-9-]+)\.([a-z0-9-]+)\.svc(\.cluster\.local)?:(\d+)$", cfg.tracking.tracking_uri)
+        assert svc, cfg.tracking.tracking_uri
+        assert any(s["metadata"]["name"] == svc.group(1) and svc.group(2) == NAMESPACE
+                   and any(p["port"] == int(svc.group(4)) for p in s["spec"]["ports"]) for s in _kind("Service"))
+
+
+def test_job_config_refuses_missing_data_unless_paths_are_not_checked():
+    """The cluster job config's data live on the cluster: validated here only without the path check."""
+    from recgrid.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.train: no file matches"):
+        load_config(ROOT / "jobs" / "criteo_kaggle_cluster.yaml")
+    cfg = load_config(ROOT / "jobs" / "criteo_kaggle_cluster.yaml", check_paths=False)
+    assert cfg.train.use_gpu and cfg.grid.world_size % 8 == 0
+    with pytest.raises(ConfigError, match="grid.num_groups"):  # every other check still runs
+        load_config(ROOT / "jobs" / "criteo_kaggle_cluster.yaml", ["grid.num_groups=3"], check_paths=False)
+
+
+# ---- the image ------------------------------------------------------------------------------------
+def test_dockerfile_installs_the_pinned_stack_as_non_root():
+    text = (K8S / "Dockerfile").read_text()
+    ray_pin = _lock_pin("ray")
+    python = re.search(r'requires-python = ">=3\.(\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert re.search(rf"^ARG RAY_IMAGE=rayproject/ray:{re.escape(ray_pin)}-py3{python}-gpu$", text, re.M)
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert [s.splitlines()[0].split()[-1] for s in stages] == ["recgrid", "mlflow"]
+    recgrid, mlflow = stages
+    # the order make install uses: CUDA torch/fbgemm, torchrec without deps, the lock, the package
+    steps = [m.start() for m in (re.search(p, recgrid) for p in (
+        r"-r requirements/torch-cuda\.txt", r"--no-deps -r requirements/nodeps\.txt", r"-r requirements/lock\.txt",
+        r"--no-deps \.")) if m]
+    assert len(steps) == 4 and steps == sorted(steps)
+    for name in ("torch-cuda.txt", "nodeps.txt", "lock.txt", "mlflow-server.txt"):
+        assert (ROOT / "requirements" / name).is_file()
+    assert re.search(r"-c /tmp/requirements/lock\.txt -r /tmp/requirements/mlflow-server\.txt", mlflow)
+    assert "psycopg2-binary==" in (ROOT / "requirements" / "mlflow-server.txt").read_text()
+    for stage in stages:  # each image ends as a non-root user, set before its first RUN for recgrid
+        users = re.findall(r"^USER (\S+)", stage, re.M)
+        assert users and users[-1] not in ("root", "0"), stage.splitlines()[0]
+
+
+def test_k8s_readme_names_every_manifest_in_apply_order():
+    text = (K8S / "README.md").read_text()
+    for path in sorted(K8S.glob("*.yaml")):
+        assert path.name in text, f"k8s/README.md does not mention {path.name}"
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    steps = ("image", "Secrets", "MLflow", "RayCluster", "RayJob")
+    order = [next(i for i, h in enumerate(headings) if word in h) for word in steps]
+    assert order == sorted(order), f"k8s/README.md: image, secrets, MLflow, RayCluster, RayJob; got {headings}"

@@ -1,0 +1,248 @@
+"""`recgrid plan`: the paper's CTR setting through the command line, the cost model's 2-D terms,
+the tables file and its errors, and the published constants' bookkeeping.
+
+The acceptance run plans 300 tables for all nine M dividing T=256 with TorchRec's planner
+pieces (about 15 s on 2 cores); every other test here takes well under a second or two.
+"""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recgrid.plan.constants import GB, H100_SXM, SOURCES, GpuProfile
+from recgrid.plan.cost import GpuCost
+from recgrid.plan.tables import TablesError, ctr_like_tables, load_tables
+
+REPO = Path(__file__).resolve().parents[1]
+CTR = REPO / "datasets" / "ctr_like_0.5tb.yaml"
+CANDIDATE_KEYS = {"num_groups", "group_size", "sync_every", "layout", "qps", "step_ms", "peak_memory_gb",
+                  "feasible", "time_ms", "memory_gb", "lookup_imbalance", "sharding"}
+
+
+def recgrid(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recgrid.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def ctr_plan() -> dict:
+    p = recgrid("plan", "--tables", str(CTR), "--gpus", "256", "--gpus-per-node", "8", "--hbm-gb", "80",
+                "--batch-per-gpu", "4096", "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+# ---- acceptance 1: the paper's CTR-model setting --------------------------------------------------
+def test_ctr_plan_recommends_an_interior_group_count(ctr_plan):
+    ms = sorted({c["num_groups"] for c in ctr_plan["candidates"]})
+    assert ms == [m for m in range(1, 257) if 256 % m == 0]  # every M dividing T, OOM ones included
+    rec = ctr_plan["recommended"]
+    assert rec["num_groups"] not in (1, 256)
+    best = next(c for c in ctr_plan["candidates"]
+                if (c["num_groups"], c["sync_every"]) == (rec["num_groups"], rec["sync_every"]))
+    assert best["feasible"]
+    # it beats full model parallelism and every other feasible candidate (within the 2% tie band)
+    top = max(c["qps"] for c in ctr_plan["candidates"] if c["feasible"])
+    assert best["qps"] >= 0.98 * top
+    m1 = next(c for c in ctr_plan["candidates"] if c["num_groups"] == 1)
+    assert best["qps"] > 1.1 * m1["qps"]
+    assert "M=" in ctr_plan["reason"] and "K=" in ctr_plan["reason"]
+
+
+def test_ctr_plan_memory_rises_past_the_best_m_into_oom(ctr_plan):
+    rec = ctr_plan["recommended"]["num_groups"]
+    peak = {}
+    for c in ctr_plan["candidates"]:
+        peak[c["num_groups"]] = min(peak.get(c["num_groups"], math.inf), c["peak_memory_gb"])
+    past = [m for m in sorted(peak) if m > rec]
+    assert past and all(peak[m] > peak[rec] for m in past)
+    assert peak[past[-1]] > 80  # the largest M does not fit: shown, flagged, not dropped
+    largest = [c for c in ctr_plan["candidates"] if c["num_groups"] == 256]
+    assert largest and not any(c["feasible"] for c in largest)
+    # the replica overhead is S (M - 1) / T, S = every table's weights and row-wise AdaGrad state
+    S = sum(t.bytes + t.rows * 4 for t in load_tables(CTR).tables)
+    for c in ctr_plan["candidates"]:
+        assert c["memory_gb"]["replica_overhead"] == pytest.approx(S * (c["num_groups"] - 1) / 256 / GB, abs=0.002)
+
+
+def test_plan_json_shape(ctr_plan):
+    assert set(ctr_plan) >= {"candidates", "recommended", "reason"}
+    assert set(ctr_plan["recommended"]) == {"num_groups", "sync_every"}
+    for c in ctr_plan["candidates"]:
+        assert CANDIDATE_KEYS <= set(c)
+        assert c["group_size"] * c["num_groups"] == 256
+        split = c["time_ms"]
+        assert set(split) >= {"lookup", "lookup_all_to_all", "dense", "dense_all_reduce", "replica_sync"}
+        assert c["step_ms"] == pytest.approx(sum(v for k, v in split.items() if k != "replica_sync_per_sync"),
+                                             abs=0.01)
+        assert c["qps"] == pytest.approx(256 * 4096 / (c["step_ms"] / 1e3), rel=1e-3)
+        if c["num_groups"] == 1:
+            assert c["time_ms"]["replica_sync"] == 0 and c["sync_every"] == 1
+        assert sum(c["sharding"].values()) == 300
+
+
+def test_plan_human_output_and_recommendation_sentence(capsys):
+    from recgrid.cli import main
+
+    assert main(["plan", "--spec", "tiny", "--gpus", "8", "--gpus-per-node", "8", "--batch-per-gpu", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "peak GB" in out and "Recommend M=" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 ", "4 ", "8 "))]) >= 4
+
+
+# ---- the 2-D terms recgrid adds -----------------------------------------------------------------------
+def test_replica_sync_is_eq1_over_nvlink_inside_a_node_and_nics_across():
+    cost = GpuCost(H100_SXM, 8)
+    S, T = 0.5e12, 256
+    for M, per_node, busbw in ((2, 2, H100_SXM.nvls_allreduce_busbw), (8, 8, H100_SXM.nvls_allreduce_busbw),
+                               (16, 1, H100_SXM.nic_bandwidth), (16, 8, H100_SXM.nvlink_busbw)):
+        shard = S * M / T  # each worker holds S / L of the tables
+        eq1 = 2 * S * (M - 1) / (T * busbw)
+        assert cost.allreduce_seconds(shard, M, per_node) == pytest.approx(eq1 + H100_SXM.collective_latency)
+    assert cost.allreduce_seconds(1e9, 1, 1) == 0.0
+
+
+def test_all_to_all_bandwidth_falls_and_latency_grows_with_group_size():
+    cost = GpuCost(H100_SXM, 8)
+    bws = [cost.bandwidth(L, 8, "all_to_all") for L in (8, 16, 32, 256, 4096)]
+    assert bws[0] == H100_SXM.nvlink_busbw  # inside a node: NVLink
+    assert all(a > b for a, b in zip(bws, bws[1:]))  # N/(N-1) x NIC, falling towards one NIC
+    assert bws[-1] == pytest.approx(H100_SXM.nic_bandwidth, rel=0.01)
+    lat = [cost.a2a_latency(L, 8) for L in (2, 8, 64, 1024)]
+    assert all(a < b for a, b in zip(lat, lat[1:]))
+
+
+def test_tiny_plan_uses_torchrec_for_every_group_count():
+    from recgrid.plan.planner import Cluster, make_plan
+    from recgrid.plan.tables import tables_from_spec
+
+    model = tables_from_spec("tiny")
+    plan = make_plan(model, Cluster(8, 4, 1024, GpuCost(H100_SXM, 4)), sync_every=(1, 5))
+    assert sorted({c.num_groups for c in plan.candidates}) == [1, 2, 4, 8]
+    for c in plan.candidates:
+        assert sum(c.sharding.values()) == 26 and set(c.sharding) <= {"table_wise", "column_wise",
+                                                                      "table_row_wise"}
+        assert c.lookup_s > 0 and c.dense_s > 0 and c.feasible
+        assert (c.sync_s > 0) == (c.num_groups > 1)
+    # M = 8 with 4 GPUs per node: a replica group is two whole nodes (host-local) or spread one
+    # worker per node (inter-host); both are priced and the better kept
+    assert {c.layout for c in plan.candidates if c.num_groups == 8} <= {"host-local", "inter-host"}
+    # a tiny model replicates for free: every worker's memory is far below 1 GB
+    assert all(c.peak_bytes < 1 * GB for c in plan.candidates)
+
+
+def test_layouts_the_grid_allows_are_the_ones_priced():
+    from recgrid.plan.planner import Cluster, _ranks_per_node, grid_for, layouts_for
+
+    cluster = Cluster(48, 8, 1024, GpuCost(H100_SXM, 8))
+    assert layouts_for(cluster, 1) == ["host-local"]
+    assert layouts_for(cluster, 4) == ["host-local", "inter-host"]  # a replica group inside a node
+    assert layouts_for(cluster, 16) == ["host-local", "inter-host"]  # two whole nodes per replica group
+    assert layouts_for(cluster, 12) == ["inter-host"]  # 12 would split a node between replica groups
+    grid = grid_for(cluster, 16, "host-local")
+    assert _ranks_per_node(grid.replica_groups[0], 8) == 8 and grid.sharding_group_per_node == 1
+    wide = Cluster(256, 8, 1024, GpuCost(H100_SXM, 8))  # inter-host: L = 16 spans two nodes, one rank each
+    assert _ranks_per_node(grid_for(wide, 16, "inter-host").replica_groups[0], 8) == 1
+
+
+def test_row_wise_is_offered_where_torchrec_would_need_it():
+    from recgrid.plan.planner import _row_wise_tables
+    from recgrid.plan.tables import ModelTables, TableSpec
+
+    big = TableSpec("big", rows=200_000_000, dim=128, pooling=1)  # 102 GB: more than one GPU
+    hot = TableSpec("hot", rows=1_000_000, dim=128, pooling=200)
+    model = ModelTables("m", (big, hot) + tuple(TableSpec(f"t{i}", 1_000_000, 128, 2) for i in range(30)))
+    assert _row_wise_tables(model, L=64, per_node=8, one_gpu=78e9) == {"big"}
+    # one member of the sharding group per node: table-row-wise splits nothing, so row-wise is also
+    # offered to tables above a worker's share of the bytes or of the lookup work
+    assert _row_wise_tables(model, L=64, per_node=1, one_gpu=78e9) == {"big", "hot"}
+    assert _row_wise_tables(model, L=4, per_node=1, one_gpu=78e9) == {"big", "hot"}
+    assert _row_wise_tables(model, L=1, per_node=1, one_gpu=1e15) == set()
+
+
+def test_memoized_estimator_lookups_give_torchrecs_estimates():
+    from recgrid.plan import planner
+    from recgrid.plan.tables import tables_from_spec
+
+    model, cost = tables_from_spec("tiny"), GpuCost(H100_SXM, 8)
+
+    def estimates(memo: bool) -> dict:
+        planner._SPACE_CACHE.clear()
+        with planner.quiet_torchrec():
+            if memo:
+                with planner.memoized_estimator_lookups():
+                    space = planner._search_space(model, 16, 8, 512, cost, 1e9, planner.PLAN_SHARDING_TYPES)
+            else:
+                space = planner._search_space(model, 16, 8, 512, cost, 1e9, planner.PLAN_SHARDING_TYPES)
+        return {n: [(so.sharding_type, [(sh.perf.total, sh.storage.hbm) for sh in so.shards]) for so in opts]
+                for n, opts in space.options.items()}
+
+    assert estimates(True) == estimates(False)
+    from torchrec.distributed.planner.estimator import annotations
+    assert annotations._get_annotated_method.__name__ == "_get_annotated_method"  # restored
+
+
+# ---- constants: every figure named with its source ---------------------------------------------------
+def test_every_gpu_figure_has_a_source():
+    figures = {f.name for f in dataclasses.fields(GpuProfile)} - {"name", "dense_reference_flops_per_sample"}
+    assert figures <= set(SOURCES), sorted(figures - set(SOURCES))
+    for s in SOURCES.values():
+        assert s.url and s.note
+
+
+def test_hbm_and_bandwidth_overrides():
+    p = H100_SXM.with_overrides(hbm_gb=40, intra_node_gbps=100, inter_node_gbps=10)
+    assert p.hbm_bytes == 40 * GB and p.nvlink_busbw == 100 * GB and p.nic_bandwidth == 10 * GB
+
+
+# ---- the tables file ---------------------------------------------------------------------------------------
+def test_shipped_ctr_tables_are_the_documented_generator_output():
+    shipped = load_tables(CTR)
+    generated = ctr_like_tables(300, 0.5e12, alpha=0.7, seed=0)
+    assert shipped.tables == generated.tables
+    assert abs(shipped.total_bytes - 0.5e12) <= 256 * 4  # within one row of 0.5 TB fp32
+    sizes = sorted((t.bytes for t in shipped.tables), reverse=True)
+    assert sizes[0] > 20 * sizes[len(sizes) // 2]  # skewed: the largest table dwarfs the median
+
+
+@pytest.mark.parametrize("body, field", [
+    ("tables: [{name: a, rows: 10, dim: 8}]", "missing field(s) ['pooling']"),
+    ("tables: [{name: a, rows: -1, dim: 8, pooling: 1}]", "tables[0] (a).rows"),
+    ("tables: [{name: a, rows: 10, dim: 8.5, pooling: 1}]", "tables[0] (a).dim"),
+    ("tables: [{name: a, rows: 10, dim: 8, pooling: 0}]", "tables[0] (a).pooling"),
+    ("tables: [{name: a, rows: 10, dim: 8, pooling: 1, hot: 3}]", "unknown field(s) ['hot']"),
+    ("tables: [{name: a, rows: 1, dim: 8, pooling: 1}, {name: a, rows: 1, dim: 8, pooling: 1}]",
+     "tables[1].name: duplicate"),
+    ("tables: []", "non-empty list"),
+    ("rows: [1, 2]", "'tables' list"),
+    ("tables: [{name: a, rows: 1, dim: 8, pooling: 1}]\ndense: {top_mlp: [64, 2]}", "dense.top_mlp"),
+    ("tables: [{name: a, rows: 1, dim: 8, pooling: 1}\n", "not valid YAML"),
+    ("tables: [{name: a, rows: 1, dim: 8, pooling: 1}, {name: b, rows: 1, dim: 16, pooling: 1}]\n"
+     "dense: {interaction: dot, bottom_mlp: [8]}", "dot needs every table's dim"),
+])
+def test_bad_tables_files_name_the_file_and_field(tmp_path, body, field):
+    path = tmp_path / "model.yaml"
+    path.write_text(body)
+    with pytest.raises(TablesError) as e:
+        load_tables(path)
+    assert str(path) in str(e.value) and field in str(e.value)
+
+
+def test_cli_rejects_bad_input_with_a_sentence(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tables: [{name: a, rows: 10, dim: 8, pooling: many}]")
+    p = recgrid("plan", "--tables", str(bad), "--gpus", "8", "--batch-per-gpu", "64")
+    assert p.returncode == 2 and str(bad) in p.stderr and "pooling" in p.stderr and p.stdout == ""
+    p = recgrid("plan", "--tables", str(tmp_path / "missing.yaml"), "--gpus", "8", "--batch-per-gpu", "64")
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    p = recgrid("plan", "--spec", "tiny", "--gpus", "12", "--gpus-per-node", "8", "--batch-per-gpu", "64")
+    assert p.returncode == 2 and "whole number of nodes" in p.stderr
+    p = recgrid("plan", "--spec", "tiny", "--gpus", "8", "--batch-per-gpu", "64", "--sync-every", "0,5")
+    assert p.returncode == 2 and "--sync-every" in p.stderr
+    p = recgrid("plan", "--spec", "tiny", "--tables", str(bad), "--gpus", "8", "--batch-per-gpu", "64")
+    assert p.returncode == 2 and "not allowed with" in p.stderr  # exactly one of --spec / --tables

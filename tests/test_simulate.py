@@ -1,0 +1,138 @@
+"""`recgrid simulate`: full model parallelism against 2-D at 256 to 4096 GPUs for the 1.7 TB model
+datasets/ctr_like_1.7tb.yaml (the paper's Table 2 setting: sharding groups of 256 GPUs, batch 1152
+per GPU), its JSON, its errors. The simulation prices ten configurations with TorchRec's planner
+(about 20 s of CPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recgrid.plan.constants import GB, H100_SXM
+from recgrid.plan.cost import GpuCost
+from recgrid.plan.planner import PlanError
+from recgrid.plan.simulate import simulate
+from recgrid.plan.tables import ctr_like_tables, load_tables
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "datasets" / "ctr_like_1.7tb.yaml"
+GPUS = (256, 512, 1024, 2048, 4096)
+ROW_KEYS = {"gpus", "strategy", "num_groups", "qps", "scaling_factor", "peak_memory_gb", "oom"}
+B = 1152
+
+
+@pytest.fixture(scope="module")
+def table2() -> dict:
+    rows = simulate(load_tables(MODEL), GPUS, group_size=256, batch_per_gpu=B, gpus_per_node=8,
+                    cost_for=lambda T: GpuCost(H100_SXM, 8))
+    return {(r.gpus, r.strategy): r for r in rows}
+
+
+def test_shipped_1_7tb_tables_are_the_documented_generator_output():
+    """788 tables and a mean of 13.6 ids per table and sample (Meta's dlrm_datasets, 2022), dim 128
+    (MLPerf DLRM-DCNv2), Zipf-skewed sizes as the 0.5 TB model: datasets/README.md."""
+    shipped = load_tables(MODEL)
+    assert shipped.tables == ctr_like_tables(788, 1.7e12, alpha=0.7, seed=0, dims=(128,), pooling_median=8.25).tables
+    assert abs(shipped.total_bytes - 1.7e12) <= 128 * 4
+    assert {t.dim for t in shipped.tables} == {128}
+    mean_pooling = sum(t.pooling for t in shipped.tables) / len(shipped.tables)
+    assert 12 < mean_pooling < 15.5  # the lognormal's mean, 8.25 x e^0.5 = 13.6, drawn 788 times
+
+
+def test_rows_and_json_shape(table2):
+    assert sorted(table2) == sorted((T, s) for T in GPUS for s in ("model_parallel", "2d"))
+    for (T, strategy), r in table2.items():
+        j = r.to_json()
+        assert ROW_KEYS <= set(j) and set(j["memory_gb"]) == {"tables", "optimizer", "lookup_activations", "dense"}
+        assert j["gpus"] == T and j["strategy"] == strategy
+        assert j["num_groups"] == (1 if strategy == "model_parallel" else T // 256)
+        assert isinstance(j["oom"], bool) and j["peak_memory_gb"] > 0
+        assert (j["qps"] is None) == j["oom"]
+    # at T = L both strategies are the same job, the scaling baseline
+    assert table2[(256, "2d")].to_json()["scaling_factor"] == 1.0
+    assert table2[(256, "2d")].candidate.qps == pytest.approx(table2[(256, "model_parallel")].candidate.qps)
+
+
+def test_2d_keeps_scaling_where_model_parallelism_stops(table2):
+    """The part of Table 2's shape the cost model reproduces: full model parallelism's QPS stops
+    growing with GPUs (its all-to-all spans every GPU: per-peer latency and imbalance grow with T)
+    while 2-D, whose all-to-all stays inside 256 GPUs, keeps most of the linear speed-up."""
+    mp = [table2[(T, "model_parallel")] for T in GPUS]
+    dd = [table2[(T, "2d")] for T in GPUS]
+    for m, d in zip(mp[1:], dd[1:]):
+        assert d.scaling_factor > m.scaling_factor + 0.2
+        assert d.candidate.qps > 1.3 * m.candidate.qps
+    assert mp[-1].scaling_factor < 0.35  # 16x the GPUs, under 6x the QPS
+    assert mp[-1].candidate.qps < 1.4 * mp[3].candidate.qps  # doubling 2048 -> 4096 buys MP little
+    assert dd[1].scaling_factor >= 0.9 and dd[2].scaling_factor >= 0.9  # 512, 1024 GPUs
+    assert dd[3].scaling_factor >= 0.7 and dd[4].scaling_factor >= 0.7  # 2048, 4096 GPUs
+    assert all(not r.oom for r in dd)
+
+
+def test_2d_replica_groups_on_whole_nodes_at_4096(table2):
+    """M = 16 on 8-GPU nodes: the planner takes the host-local layout, each replica group two whole
+    nodes syncing over their 16 NICs, over the inter-host one (one NIC per GPU)."""
+    d = table2[(4096, "2d")].candidate
+    assert (d.num_groups, d.layout) == (16, "host-local")
+    assert d.sync_every in (1, 5, 25)
+    cost = GpuCost(H100_SXM, 8)
+    assert cost.allreduce_rate(16, 8) == pytest.approx(min(8 * H100_SXM.nic_bandwidth, H100_SXM.nvlink_busbw) * 16 / 30)
+    assert cost.allreduce_rate(16, 8) > 7 * cost.allreduce_rate(16, 1)
+
+
+def test_model_parallel_lookup_memory_per_gpu_does_not_grow_with_t(table2):
+    """Where full model parallelism's memory goes (TorchRec's storage estimates): a table-row-wise
+    shard holds B x T x dim partial sums, but the 8 shards of a table share one node, so a GPU holds
+    788 / (T / 8) tables' worth: 8 x 788 x B x 128 x 4 bytes = 3.7 GB, whatever T. Only row-wise
+    shards (one per table on every GPU) would grow with T, and TorchRec's estimators never pick them
+    here; so model parallelism fits 80 GB at every T."""
+    from recgrid.plan.planner import dense_memory_bytes, plan_group
+
+    model, per_gpu = load_tables(MODEL), 8 * 788 * B * 128 * 4
+    for T in GPUS[2:]:
+        c = table2[(T, "model_parallel")].candidate
+        assert set(c.sharding) == {"table_row_wise"}
+        group = plan_group(model, T, 8, B, GpuCost(H100_SXM, 8), dense_memory_bytes(model, B))  # the fixture's plan
+        activations = group.activation_bytes
+        assert sum(activations) / T == pytest.approx(per_gpu, rel=0.1)  # the mean GPU, at every T
+        assert max(activations) < 1.4 * per_gpu
+        assert c.peak_bytes < 25 * GB and not table2[(T, "model_parallel")].oom
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Not reproduced by the cost model (see the closing report of issue 9): full model parallelism of "
+    "the 1.7 TB model fits 80 GB at every T (TorchRec's planner shards every table table-row-wise, "
+    "about 3.7 GB of lookup activations per GPU whatever T; peak 15-17 GB), and 2-D's scaling factor "
+    "is 0.80 / 0.78 at 2048 / 4096 GPUs with K = 25 (hot tables whole on one GPU once a sharding "
+    "group has one member per node, and the replica sync of the fullest GPU's 48 GB table)."))
+def test_table2_literal_shape(table2):
+    for T in GPUS:
+        mp, dd = table2[(T, "model_parallel")], table2[(T, "2d")]
+        assert mp.oom == (T > 1024)
+        assert dd.scaling_factor is not None and dd.scaling_factor >= 0.85
+
+
+def test_simulate_cli_json_and_errors(capsys):
+    from recgrid.cli import main
+
+    args = ["simulate", "--spec", "tiny", "--batch-per-gpu", "256", "--gpus-per-node", "8"]
+    assert main(args + ["--gpus", "8,16", "--sharding-group-size", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["gpus"], r["strategy"]) for r in rows] == [(8, "model_parallel"), (8, "2d"),
+                                                          (16, "model_parallel"), (16, "2d")]
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    base = [sys.executable, "-m", "recgrid.cli", *args]  # the error paths, as a user meets them
+    p = subprocess.run(base + ["--gpus", "8,12", "--sharding-group-size", "8"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and "--gpus 12" in p.stderr and "L=8" in p.stderr
+    p = subprocess.run(base + ["--gpus", "8,x", "--sharding-group-size", "8"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and "--gpus" in p.stderr
+
+
+def test_simulate_rejects_group_size_larger_than_a_gpu_count():
+    with pytest.raises(PlanError, match="--gpus 128"):
+        simulate(ctr_like_tables(10, 1e9), (128, 256), group_size=256, batch_per_gpu=64, gpus_per_node=8,
+                 cost_for=lambda T: GpuCost(H100_SXM, 8))
