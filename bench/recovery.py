@@ -40,7 +40,23 @@ MODELS = {
 }
 
 
-def run_case(tmp: Path, model: str, source: str, kill_after_step: int) -> dict:
+def evict_from_page_cache(root: Path) -> int:
+    """Write back and drop the checkpoint's files from this machine's page cache, so the restore
+    reads them from storage as a new node would (not from the RAM of the node that wrote them)."""
+    evicted = 0
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                evicted += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return evicted
+
+
+def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_storage: bool = True) -> dict:
     import ray
 
     from recgrid.config import load_config
@@ -70,6 +86,8 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int) -> dict:
             victim = workers[1]["pid"]
             os.kill(victim, signal.SIGKILL)
             kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
+            if source == "storage" and cold_storage:
+                kill["evicted_bytes"] = evict_from_page_cache(tmp / "storage" / f"{model}-{source}")
         time.sleep(0.05)
     job.join()
     result = box["result"]
@@ -89,6 +107,10 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int) -> dict:
         },
         "verify_s": e.get("verify_s"),
     }
+    if "evicted_bytes" in kill:
+        figures["storage_read"] = f"cold: {kill['evicted_bytes']:,} bytes of checkpoint dropped from the page cache after the kill"
+    elif source == "storage":
+        figures["storage_read"] = "warm: the checkpoint may be read from the page cache of the machine that wrote it"
     figures["seconds"] = {k: round(v, 3) for k, v in figures["seconds"].items()}
     if source == "peer":
         figures["snapshot_overhead"] = snapshot_overhead(config, result.run_id, kill["step"])
@@ -117,6 +139,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,1gb")
     ap.add_argument("--kill-after-step", type=int, default=21, help="kill once the job passed this step")
+    ap.add_argument("--warm-storage", action="store_true",
+                    help="leave the checkpoint in the page cache (default: drop it after the kill, so the storage "
+                         "restore reads storage, as a replacement node would)")
     ap.add_argument("--out", default=str(REPO / "bench/results/recovery.json"))
     a = ap.parse_args()
 
@@ -133,7 +158,7 @@ def main() -> None:
         for model in a.models.split(","):
             for source in ("peer", "storage"):
                 print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
-                results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step)
+                results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step, not a.warm_storage)
                 print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
@@ -145,6 +170,7 @@ def main() -> None:
         "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
                           "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
                           "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
+                          "storage_read": "warm (page cache)" if a.warm_storage else "cold (checkpoint dropped from the page cache after the kill)",
                           "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
         "machine": machine_info(),
         "results": results,

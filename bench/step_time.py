@@ -81,7 +81,7 @@ def measure(T: int, M: int, K: int, steps: int, warmup: int, global_batch: int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=50, help="measured steps per configuration (K sweep: 2x)")
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per configuration (K sweep: 2x)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--global-batch", type=int, default=1024)
     ap.add_argument("--spec", default="tiny")

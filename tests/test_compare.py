@@ -67,6 +67,25 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
         assert c.data.metrics["train/examples_total"] == STEPS * 4 * 64
 
 
+def test_m1_child_differs_from_m2_only_where_it_should(sweep):
+    """The M=1 baseline is the same job but for the grid: every other parameter equal, the same
+    metric series, and no replica sync at M=1."""
+    client, result = sweep
+    runs = {r["M"]: client.get_run(r["run_id"]).data for r in result.rows}
+    p1, p2 = runs[1].params, runs[2].params
+    assert p1["num_groups"] == "1" and p1["group_size"] == "4" and p2["group_size"] == "2"
+    differing = {k for k in set(p1) | set(p2) if p1.get(k) != p2.get(k)}
+    expected = {"num_groups", "grid.num_groups", "group_size", "moment_scale", "optim.moment_scale",
+                "tracking.run_name", "grid.workers_per_node"}
+    # the plan is made for L workers, so where tables sit may differ too; nothing else may
+    assert {k for k in differing if not k.startswith("sharding.")} <= expected
+    assert {"num_groups", "group_size"} <= differing
+    f1, f2 = runs[1].metrics, runs[2].metrics
+    assert f1["sync/count"] == 0 and f1["sync/bytes_total"] == 0
+    assert f2["sync/count"] > 0 and f2["sync/bytes_total"] > 0
+    assert set(f1) == set(f2)  # the same metric series exist for both
+
+
 def test_table_artifacts_and_relative_columns(sweep, tmp_path):
     client, result = sweep
     names = {a.path for a in client.list_artifacts(result.parent_run_id, "compare")}

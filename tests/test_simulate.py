@@ -12,7 +12,7 @@ import pytest
 
 from recgrid.plan.constants import GB, H100_SXM
 from recgrid.plan.cost import GpuCost
-from recgrid.plan.planner import PlanError
+from recgrid.plan.planner import A2A_PER_SHARDING_TYPE, PlanError
 from recgrid.plan.simulate import simulate
 from recgrid.plan.tables import ctr_like_tables, load_tables
 
@@ -136,3 +136,124 @@ def test_simulate_rejects_group_size_larger_than_a_gpu_count():
     with pytest.raises(PlanError, match="--gpus 128"):
         simulate(ctr_like_tables(10, 1e9), (128, 256), group_size=256, batch_per_gpu=64, gpus_per_node=8,
                  cost_for=lambda T: GpuCost(H100_SXM, 8))
+
+
+# ---- Disaggregated Multi-Tower (`--dmt`, `--towers N`, `--tower-compression CR`) -------------------
+# The tiny spec (26 small tables) on 8-GPU hosts: a few seconds for every GPU count below.
+TINY_GPUS = (8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_dmt() -> dict:
+    from recgrid.plan.simulate import DmtOption
+    from recgrid.plan.tables import resolve_model
+
+    rows = simulate(resolve_model("tiny", None), TINY_GPUS, group_size=8, batch_per_gpu=256, gpus_per_node=8,
+                    cost_for=lambda T: GpuCost(H100_SXM, 8), dmt_option=DmtOption())
+    return {(r.gpus, r.strategy): r for r in rows}
+
+
+def _tiny_cluster(T: int):
+    from recgrid.plan.planner import Cluster
+    from recgrid.plan.tables import resolve_model
+
+    return resolve_model("tiny", None), Cluster(gpus=T, gpus_per_node=8, batch_per_gpu=256,
+                                                cost=GpuCost(H100_SXM, 8))
+
+
+def test_dmt_rows_one_tower_per_host_at_cr_1(tiny_dmt):
+    """--dmt: one tower per host (N = T / 8), the model-parallel plan with SPTT's exchange. At CR = 1
+    the peer all-to-all moves the flat all-to-all's cross-host bytes over N ranks instead of T at the
+    same NIC bandwidth (nic x N/(N-1), N = hosts, for both), so DMT can only add the intra-tower NVLink
+    hop and only save latency: its step is at most the flat step plus that hop, and never faster than
+    its cross-host bytes over one NIC."""
+    assert sorted(tiny_dmt) == sorted((T, s) for T in TINY_GPUS for s in ("model_parallel", "2d", "dmt"))
+    for T in TINY_GPUS:
+        mp, d = tiny_dmt[(T, "model_parallel")], tiny_dmt[(T, "dmt")]
+        ex = d.dmt
+        N = T // 8
+        assert (ex.towers, ex.tower_size, ex.compression) == (N, 8, 1.0)
+        assert ex.cross_host_world_size == (N if N > 1 else 0)
+        assert ex.flat_cross_host_world_size == (T if N > 1 else 0)
+        # the same plan: only the all-to-all differs
+        assert ex.flat_s == pytest.approx(mp.candidate.lookup_a2a_s, rel=1e-12)
+        assert d.candidate.lookup_a2a_s == pytest.approx(ex.exchange_s, rel=1e-12)
+        assert (d.candidate.lookup_s, d.candidate.dense_s, d.candidate.peak_bytes, d.candidate.num_groups) == \
+            (mp.candidate.lookup_s, mp.candidate.dense_s, mp.candidate.peak_bytes, 1)
+        assert d.candidate.step_s <= mp.candidate.step_s + ex.intra_tower_s + 1e-12
+        if N == 1:  # one host: one tower, nothing crosses hosts, DMT is the flat exchange
+            assert ex.cross_host_s == 0 and ex.cross_host_bytes == 0
+            assert d.candidate.step_s == pytest.approx(mp.candidate.step_s, rel=1e-12)
+            continue
+        assert ex.cross_host_bytes == pytest.approx(ex.flat_cross_host_bytes, rel=1e-12)  # CR = 1
+        assert ex.cross_host_s == pytest.approx(ex.cross_host_bytes / H100_SXM.nic_bandwidth, rel=1e-9)
+        calls = A2A_PER_SHARDING_TYPE * len(mp.candidate.sharding)  # every all-to-all of the step
+        flat_latency = calls * GpuCost(H100_SXM, 8).a2a_latency(T, 8)  # T - 1 peers
+        assert ex.latency_s == pytest.approx(calls * (GpuCost(H100_SXM, 8).a2a_latency(8, 8)
+                                                      + GpuCost(H100_SXM, 8).a2a_latency(N, 1)))
+        assert ex.latency_s < flat_latency
+    # the latency saved grows with T (T - 1 peers flat, 7 + N - 1 with towers): DMT wins at 64 GPUs
+    assert tiny_dmt[(64, "dmt")].candidate.qps > 1.5 * tiny_dmt[(64, "model_parallel")].candidate.qps
+    assert tiny_dmt[(8, "dmt")].scaling_factor == 1.0
+
+
+def test_dmt_higher_compression_lowers_the_exchange_monotonically():
+    from recgrid.plan.simulate import DmtOption, dmt
+
+    model, cluster = _tiny_cluster(32)
+    got = [dmt(model, cluster, DmtOption(compression=cr)) for cr in (1, 1.5, 2, 4, 8)]
+    exchange = [ex.exchange_s for _, ex in got]
+    cross = [ex.cross_host_bytes for _, ex in got]
+    assert all(a > b for a, b in zip(exchange, exchange[1:]))
+    assert all(a > b for a, b in zip(cross, cross[1:]))
+    assert all(a.step_s > b.step_s for (a, _), (b, _) in zip(got, got[1:]))
+    for _, ex in got:  # the ids cross uncompressed; the embeddings by 1/CR
+        assert ex.cross_host_bytes == pytest.approx((ex.ids_bytes + ex.embedding_bytes / ex.compression) * 3 / 4)
+        assert ex.intra_tower_s == pytest.approx(got[0][1].intra_tower_s)  # the tower's own exchange is not compressed
+
+
+def test_dmt_towers_of_several_hosts():
+    """--towers 2 on 4 hosts: towers of 16 GPUs (2 hosts each), the peer all-to-all over 2 ranks; the
+    intra-tower all-to-all now crosses hosts too, and its bytes count as cross-host."""
+    from recgrid.plan.simulate import DmtOption, dmt
+
+    model, cluster = _tiny_cluster(32)
+    _, ex = dmt(model, cluster, DmtOption(towers=2))
+    assert (ex.towers, ex.tower_size, ex.cross_host_world_size) == (2, 16, 2)
+    v = ex.ids_bytes + ex.embedding_bytes
+    assert ex.cross_host_bytes == pytest.approx(v / 2 + v / 2)  # peers: 1/2 leaves; in the tower: 1/2 of it
+    _, one = dmt(model, cluster, DmtOption(towers=1))  # one tower of everything: the flat exchange
+    assert one.exchange_s == pytest.approx(one.flat_s, rel=1e-12) and one.cross_host_world_size == 0
+
+
+def test_simulate_cli_dmt_json_and_errors(capsys):
+    from recgrid.cli import main
+
+    args = ["simulate", "--spec", "tiny", "--batch-per-gpu", "256", "--gpus-per-node", "8", "-L", "8"]
+    assert main(args + ["--gpus", "16,32", "--towers", "2", "--tower-compression", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["gpus"], r["strategy"]) for r in rows] == [
+        (16, "model_parallel"), (16, "2d"), (16, "dmt"), (32, "model_parallel"), (32, "2d"), (32, "dmt")]
+    for r in rows:
+        assert ROW_KEYS <= set(r) and {"step_ms", "all_to_all_ms"} <= set(r)
+        if r["strategy"] != "dmt":
+            assert "towers" not in r and "exchange" not in r
+            continue
+        assert (r["towers"], r["tower_compression"], r["num_groups"]) == (2, 2.0, 1)
+        assert r["exchange"]["cross_host_world_size"] == 2 and r["exchange"]["tower_size"] == r["gpus"] // 2
+        assert r["all_to_all_ms"] == pytest.approx(r["exchange"]["exchange_ms"], abs=1e-3)
+        assert set(r["exchange"]) >= {"flat_ms", "intra_tower_ms", "cross_host_ms", "latency_ms", "cross_host_bytes",
+                                      "flat_cross_host_bytes", "flat_cross_host_world_size"}
+    assert main(args + ["--gpus", "16,32", "--dmt", "--json"]) == 0  # one tower per host
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["towers"], r["tower_compression"]) for r in rows if r["strategy"] == "dmt"] == [(2, 1.0), (4, 1.0)]
+    assert main(args + ["--gpus", "16,32", "--dmt"]) == 0  # the table
+    out = capsys.readouterr().out
+    assert "dmt" in out and "DMT:" in out and "32 -> 4" in out
+    for bad, words in [(["--gpus", "16,32", "--towers", "3"], ["--towers 3", "T=16", "valid"]),
+                       (["--gpus", "32", "--towers", "0"], ["--towers", "0"]),
+                       (["--gpus", "32", "--tower-compression", "0"], ["--tower-compression", "0"]),
+                       (["--gpus", "32", "--tower-compression", "-2"], ["--tower-compression", "-2"])]:
+        assert main(args + bad) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), (bad, err)

@@ -128,6 +128,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="full model parallelism vs 2-D at many GPU counts: QPS, scaling, memory")
     p.add_argument("--gpus", required=True, metavar="T[,T...]", help="GPU counts, e.g. 256,512,1024,2048,4096")
     p.add_argument("--sharding-group-size", "-L", type=int, required=True, help="L, workers per 2-D sharding group")
+    p.add_argument("--dmt", action="store_true",
+                   help="add a Disaggregated Multi-Tower row per GPU count: the model-parallel plan with its "
+                        "embedding all-to-all split into an intra-tower one (T/N GPUs) and a cross-host peer one "
+                        "(N ranks); one tower per host unless --towers is given")
+    p.add_argument("--towers", "-N", type=int, default=None, metavar="N",
+                   help="DMT towers of whole hosts, the same N at every GPU count (must divide the number of hosts); "
+                        "default with --dmt: one per host, N = T / --gpus-per-node; implies --dmt")
+    p.add_argument("--tower-compression", type=float, default=None, metavar="CR",
+                   help="DMT: the tower modules' compression ratio; the embeddings crossing hosts shrink by CR "
+                        "(the ids do not); default 1; implies --dmt")
     _add_cluster_args(p)
     p.set_defaults(handler="recgrid.plan.simulate:run_cli")
 
@@ -146,7 +156,7 @@ def _add_towers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=4096, help="samples whose pooled embeddings are compared")
     p.add_argument("--checkpoint", default=None, help="a storage checkpoint to read the embeddings from instead")
     p.add_argument("--embedding-dim", type=int, default=None, help="default: the spec's")
-    p.add_argument("--dims", type=int, default=4, help="dimensions of the fitted coordinates (default 4)")
+    p.add_argument("--dims", type=int, default=8, help="dimensions of the fitted coordinates (default 8; 4 was fragile on the planted data)")
     p.add_argument("--balance", type=float, default=1.5, help="largest tower <= balance x smallest (default 1.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")

@@ -87,9 +87,9 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
         )
         for name, dim in _tables(model)
     }
-    topology = Topology(world_size=grid.group_size, compute_device=device_type,
-                        local_world_size=grid.sharding_group_per_node)
-    with _quiet_planner():
+    with _quiet_planner():  # also TorchRec 1.8's warning about a Topology built without its factory
+        topology = Topology(world_size=grid.group_size, compute_device=device_type,
+                            local_world_size=grid.sharding_group_per_node)
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
                                            enumerator=_ordered_enumerator(topology, constraints))
         plan = planner.plan(model, [grid_sharder(fused_params)])

@@ -43,7 +43,7 @@ def distances(interaction: np.ndarray, strategy: str = "coherent") -> np.ndarray
     return np.clip(d, 0.0, None)
 
 
-def fit_coordinates(dist: np.ndarray, dims: int = 4, steps: int = 800, seed: int = 0) -> np.ndarray:
+def fit_coordinates(dist: np.ndarray, dims: int = 8, steps: int = 800, seed: int = 0) -> np.ndarray:
     """Coordinates [F, dims] whose pairwise distances fit `dist`: classical MDS as the start, then
     Adam on the stress Σ_{i<j} (|x_i - x_j| - d_ij)²."""
     import torch
@@ -182,7 +182,7 @@ class Partition:
         return np.bincount(self.labels).tolist()
 
 
-def partition_features(pooled: np.ndarray, towers: int, strategy: str = "coherent", dims: int = 4,
+def partition_features(pooled: np.ndarray, towers: int, strategy: str = "coherent", dims: int = 8,
                        balance: float = 1.5, seed: int = 0) -> Partition:
     """The whole recipe, from pooled embeddings [n, F, D] to N balanced towers."""
     interaction = interaction_matrix(pooled)

@@ -149,6 +149,9 @@ class GroupPlan:
     fits: bool
     proposals: int
     seconds: float
+    input_comms_s: tuple[float, ...] = ()
+    """Per shard rank, the part of `comms_s` that distributes the ids (TorchRec's input_dist_comms);
+    the rest returns pooled embeddings and their gradients (what a DMT tower module compresses)."""
 
     @property
     def sparse_bytes(self) -> list[int]:
@@ -483,7 +486,7 @@ def _descend(best, space: _SearchSpace, place, trials: int = DESCENT_TRIALS, per
 def _summarize(plan, L: int, per_node: int, fits: bool) -> tuple[GroupPlan, list[str], list[str]]:
     """Per-rank sums of TorchRec's per-shard estimates (Perf in ms; storage in bytes), the tables
     on the slowest worker (heaviest first) and on the worker with the most bytes (largest first)."""
-    lookup, comms = [0.0] * L, [0.0] * L
+    lookup, comms, ids = [0.0] * L, [0.0] * L, [0.0] * L
     weights, optim, activ = [0] * L, [0] * L, [0] * L
     sharding: Counter = Counter()
     on_rank: dict[int, list[tuple[float, str]]] = {}
@@ -494,6 +497,7 @@ def _summarize(plan, L: int, per_node: int, fits: bool) -> tuple[GroupPlan, list
             r, perf = sh.rank, sh.perf
             lookup[r] += (perf.fwd_compute + perf.bwd_compute + perf.prefetch_compute) * 1e-3
             comms[r] += (perf.fwd_comms + perf.bwd_comms + perf.input_dist_comms) * 1e-3
+            ids[r] += perf.input_dist_comms * 1e-3
             w = sh.size[0] * sh.size[1] * BYTES_PER_WEIGHT
             on_rank.setdefault(r, []).append((perf.total, w, so.name))
             o = math.ceil(w / dim)  # TorchRec's row-wise AdaGrad estimate: one float per row
@@ -507,7 +511,8 @@ def _summarize(plan, L: int, per_node: int, fits: bool) -> tuple[GroupPlan, list
     big = [name for _, _, name in sorted(on_rank.get(fullest, []), key=lambda x: -x[1])]
     plan_out = GroupPlan(group_size=L, per_node=per_node, sharding=dict(sharding), lookup_s=tuple(lookup),
                          comms_s=tuple(comms), weight_bytes=tuple(weights), optimizer_bytes=tuple(optim),
-                         activation_bytes=tuple(activ), fits=fits, proposals=0, seconds=0.0)
+                         activation_bytes=tuple(activ), fits=fits, proposals=0, seconds=0.0,
+                         input_comms_s=tuple(ids))
     return plan_out, hot, big
 
 
