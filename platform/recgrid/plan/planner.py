@@ -343,7 +343,8 @@ def _distinct(opts: list) -> list:
     worker per node are table-wise): the proposers and the descent then never spend a trial on them."""
     seen: set = set()
     out = []
-    for so in sorted(opts, key=_depth):
+    # ties broken by name, not by TorchRec's enumeration order, which follows the string hash seed
+    for so in sorted(opts, key=lambda so: (_depth(so), so.sharding_type, so.compute_kernel, len(so.shards))):
         cut = tuple((tuple(sh.size), tuple(sh.offset)) for sh in so.shards)
         if cut not in seen:
             seen.add(cut)
