@@ -1,4 +1,4 @@
-"""`recgrid compare`: a real two-configuration sweep (M=1 and M=2) on one local Ray cluster, read
+"""`recgrid compare`: a real two-configuration sweep (T=2: M=1 and M=2) on one local Ray cluster, read
 back through MLflow: one parent run, a child per configuration, the table as CSV and Markdown and
 the chart as artifacts of the parent, the relative columns computed against M=1. The sweep's
 refusals and the reference without M=1 need no cluster."""
@@ -35,7 +35,7 @@ def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
     uri = f"sqlite:///{tmp}/mlflow.db"
     overrides = [f"data.train={tmp}/data/train/*.parquet", f"data.eval={tmp}/data/eval/*.parquet",
-                 "data.synth_rows=6000", "data.synth_eval_rows=2000", "grid.world_size=4",
+                 "data.synth_rows=6000", "data.synth_eval_rows=2000", "grid.world_size=2",
                  f"train.max_steps={STEPS}", "train.batch_size=64", "train.log_every=5", "train.eval_every=0",
                  f"train.storage_path={tmp}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=test-compare"]
     variants = plan_sweep(DEMO, [1, 2], None, overrides)
@@ -53,18 +53,18 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     client, result = sweep
     assert result.status == "FINISHED", result.rows
     parent = client.get_run(result.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-T4-M1,2-K5"
-    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["global_batch"] == "256"
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-T2-M1,2-K5"
+    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["global_batch"] == "128"
     exp = client.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
-    assert sorted(c.info.run_name for c in children) == ["T4-M1-K5", "T4-M2-K5"]
+    assert sorted(c.info.run_name for c in children) == ["T2-M1-K5", "T2-M2-K5"]
     assert all(c.info.status == "FINISHED" for c in children)
     assert len(client.search_runs([exp.experiment_id])) == 3  # nothing else
     for c in children:  # the same job but for M (and c = M, which follows it)
-        assert c.data.params["world_size"] == "4" and c.data.params["train.batch_size"] == "64"
+        assert c.data.params["world_size"] == "2" and c.data.params["train.batch_size"] == "64"
         assert c.data.params["data.train"] == parent.data.params["data.train"]
-        assert c.data.metrics["train/examples_total"] == STEPS * 4 * 64
+        assert c.data.metrics["train/examples_total"] == STEPS * 2 * 64
 
 
 def test_m1_child_differs_from_m2_only_where_it_should(sweep):
@@ -73,7 +73,7 @@ def test_m1_child_differs_from_m2_only_where_it_should(sweep):
     client, result = sweep
     runs = {r["M"]: client.get_run(r["run_id"]).data for r in result.rows}
     p1, p2 = runs[1].params, runs[2].params
-    assert p1["num_groups"] == "1" and p1["group_size"] == "4" and p2["group_size"] == "2"
+    assert p1["num_groups"] == "1" and p1["group_size"] == "2" and p2["group_size"] == "1"
     differing = {k for k in set(p1) | set(p2) if p1.get(k) != p2.get(k)}
     expected = {"num_groups", "grid.num_groups", "group_size", "moment_scale", "optim.moment_scale",
                 "tracking.run_name", "grid.workers_per_node"}
@@ -97,7 +97,7 @@ def test_table_artifacts_and_relative_columns(sweep, tmp_path):
     rows = {r["config"]: r for r in csv.DictReader(io.StringIO((local / "table.csv").read_text()))}
     ref, m2 = rows["M=1"], rows["M=2 K=5"]
     assert ref["reference"] == m2["reference"] == "M=1"
-    assert (ref["M"], ref["L"], m2["M"], m2["L"], m2["K"]) == ("1", "4", "2", "2", "5")
+    assert (ref["M"], ref["L"], m2["M"], m2["L"], m2["K"]) == ("1", "2", "2", "1", "5")
     for key, _, _, kind in COLUMNS:
         rel = f"{key}_rel_{'pp' if kind == 'pp' else 'pct'}"
         assert ref[key] != "", key  # every column has a value

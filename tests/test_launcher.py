@@ -62,6 +62,7 @@ def two_runs(tmp_path_factory):
         m2 = run_job(_job(tmp, uri, 2))
         failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
             f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
+            "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
             "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed"]))
         rng = random.Random(seed)
         job = BackgroundJob(chaos_cfg)
@@ -167,7 +168,10 @@ def test_chaos_job_finishes_in_one_run_with_two_peer_recoveries(chaos):
     print(f"chaos recoveries: sources {[e['source'] for e in r.events]}, steps lost {lost}, seconds {seconds}")
     assert all(m.value > 0 for m in client.get_metric_history(r.run_id, "recovery/seconds"))
     for e, kill in zip(r.events, c["kills"]):
-        assert e["step"] % K == 0 and kill["step"] - K <= e["step"] <= kill["step"], note
+        # restored to the newest sync at or before the last step the job reached (the status read
+        # before the kill may lag the kill by a few steps: the restore is not older than K before it)
+        assert e["step"] % K == 0 and e["failure_step"] - K <= e["step"] <= e["failure_step"], (e, note)
+        assert e["step"] >= kill["step"] - K, (e, note)
     for name in ("train/loss", "train/qps", "eval/ne"):  # nothing logged twice for one step
         steps = [m.step for m in client.get_metric_history(r.run_id, name)]
         assert len(steps) == len(set(steps)), name
@@ -191,7 +195,13 @@ def test_chaos_trains_every_row_once_but_the_rolled_back_steps(chaos):
     got, redone = row_audit(c["rows"][1])
     max_steps = c["config"].train.max_steps
     assert sorted(got) == sorted(want) == list(range(1, max_steps + 1))
+    restored = {e["step"] for e in c["result"].events}
     for step in want:  # the same rows at the same steps as the run that never failed: none skipped
+        if step in restored and len(got[step]) == len(want[step]) - B:
+            # the killed worker finished this step (its update is in the restored copy, which a
+            # replica peer sent) but died before appending the step to its row log
+            assert np.isin(got[step], want[step]).all(), step
+            continue
         assert np.array_equal(got[step], want[step]), step
     for attempt in (0, 1):  # rolled back and trained again: at most K steps of T x B rows
         assert 0 <= redone[attempt] <= K * T * B, redone  # 0 when the kill came right after a snapshot
