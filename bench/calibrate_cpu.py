@@ -19,11 +19,25 @@ The constants come from microbenchmarks only, never from the step-time runs they
   contention    the one-worker step run in T independent processes at once, over it alone:
                 how much slower each worker computes when T share this machine's cores
 
+The collective latencies under training load: the microbenchmark's chunks of compute between
+collectives are far shorter than a real step's, and on an oversubscribed machine a collective
+waits for peers that are descheduled mid-step, so the microbenchmark latencies leave ~10 ms of a
+T = 4 step unexplained. When step-time runs at ANOTHER batch size are given
+(`--calibration-runs`, default bench/results/step_time_b512.json: bench/step_time.py at a global
+batch of 512, 128 per worker), the latencies are taken from them instead: each run's measured
+step minus the model's compute and bandwidth terms is what its collectives cost, solved for the
+three unknowns the three runs pin down (at T = 4: the dense all-reduce over 4 from M = 4, where
+L = 1 has no all-to-all; then the all-to-all over L = 2 from M = 2 and over L = 4 from M = 1).
+Both predictions are written: with the microbenchmark latencies, and with the run latencies.
+
 Then `recgrid.plan` (CpuCost) predicts the step time for M in {1, 2, 4} at T = 4 and compares it
-with bench/results/step_time.json (run bench/step_time.py first, on the same machine). Writes
+with bench/results/step_time.json (run bench/step_time.py first, on the same machine: the
+default global batch of 1024, which the calibration runs never saw). Writes
 bench/results/calibrate_cpu.json: the profile the cost model loads, the raw microbenchmarks, the
 predictions and their errors.
 
+    .venv/bin/python bench/step_time.py
+    .venv/bin/python bench/step_time.py --global-batch 512 --m-sweep-only --out bench/results/step_time_b512.json
     .venv/bin/python bench/calibrate_cpu.py [--world-size 4] [--step-time bench/results/step_time.json]
 
 Timings on a shared 2-core machine are noisy; re-run on a quiet one for figures worth quoting.
@@ -322,27 +336,76 @@ def _torchrec_lookup_bytes_slope(spec_name: str, dim: int) -> float:
     return (f[1] - f[0]) / (hi - lo)
 
 
-def predict(profile_path: Path, step_time: dict) -> dict:
+def _model_of(spec_name: str):
     from recgrid.data.specs import get_spec as spec_of
-    from recgrid.plan.constants import CpuProfile
-    from recgrid.plan.cost import CpuCost
-    from recgrid.plan.planner import Cluster, evaluate
-    from recgrid.plan.tables import DenseSpec, ModelTables, tables_from_spec
     from recgrid.engine.model import ModelSpec
+    from recgrid.plan.tables import DenseSpec, ModelTables, tables_from_spec
 
-    cfg = step_time["configuration"]
-    T, spec_name, sharding = cfg["world_size"], cfg["spec"], cfg["sharding"]
     ms = ModelSpec()
     base = tables_from_spec(spec_name)
-    model = ModelTables(base.name, base.tables, DenseSpec(
+    return ModelTables(base.name, base.tables, DenseSpec(
         dense_features=NUM_DENSE, bottom_mlp=ms.resolved_dense_arch(spec_of(spec_name)),
         top_mlp=tuple(ms.over_arch), interaction="dot"))
-    profile = CpuProfile.load(profile_path)
-    batch = cfg["global_batch"] // T
-    cluster = Cluster(gpus=T, gpus_per_node=T, batch_per_gpu=batch, cost=CpuCost(profile, T))
+
+
+def _candidates(profile, step_time: dict) -> list:
+    """The cost model's candidate for every run of a step_time.py sweep, under `profile`."""
+    from recgrid.plan.cost import CpuCost
+    from recgrid.plan.planner import Cluster, evaluate
+
+    cfg = step_time["configuration"]
+    T, sharding = cfg["world_size"], cfg["sharding"]
+    cluster = Cluster(gpus=T, gpus_per_node=T, batch_per_gpu=cfg["global_batch"] // T, cost=CpuCost(profile, T))
+    model = _model_of(cfg["spec"])
+    return [evaluate(model, cluster, m["M"], m["K"], layout="host-local", sharding_types=(sharding,))
+            for m in step_time["m_sweep"]]
+
+
+def _profile(raw: dict):
+    """A CpuProfile from its JSON form (group sizes as keys are strings there)."""
+    from recgrid.plan.constants import CpuProfile
+
+    kw = {k: v for k, v in raw.items() if k in CpuProfile.__dataclass_fields__ and k != "measured"}
+    for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
+        kw[k] = {int(n): float(v) for n, v in kw[k].items()}
+    return CpuProfile(**kw)
+
+
+def run_latencies(profile: dict, runs: dict) -> dict:
+    """Collective latencies under training load from step-time runs (see the module docstring):
+    each run's measured median step (a step without a replica sync) minus what the model
+    predicts for it with zero latencies is what its collectives' latencies add."""
+    from dataclasses import replace
+
+    from recgrid.plan.planner import A2A_PER_SHARDING_TYPE
+
+    T = runs["configuration"]["world_size"]
+    if runs["configuration"]["world_size"] != profile["world_size"]:
+        raise SystemExit(f"calibration runs at T={T}, microbenchmarks at T={profile['world_size']}: use the same T")
+    base = _profile(profile)
+    zero = replace(base, a2a_latency={n: 0.0 for n in base.a2a_latency},
+                   allreduce_latency={n: 0.0 for n in base.allreduce_latency})
+    residual, types = {}, {}
+    for m, c in zip(runs["m_sweep"], _candidates(zero, runs)):
+        predicted = c.step_s - c.sync_s if m["K"] > 1 else c.step_s
+        residual[m["M"]] = m["step_time_median_s"] - predicted
+        types[m["M"]] = len(c.sharding)
+    if not {1, T} <= set(residual):
+        raise SystemExit(f"calibration runs need M=1 and M={T} (got M in {sorted(residual)})")
+    allreduce = max(0.0, residual[T])  # M = T: L = 1, no all-to-all; the dense all-reduce over T alone
+    a2a = {str(T // M): max(0.0, (residual[M] - allreduce) / (A2A_PER_SHARDING_TYPE * types[M]))
+           for M in residual if M < T}
+    return {"a2a_latency": a2a, "allreduce_latency": {**{str(n): v for n, v in base.allreduce_latency.items()},
+                                                      str(T): allreduce},
+            "residual_s": {str(M): round(r, 6) for M, r in residual.items()}}
+
+
+def predict(profile_path: Path, step_time: dict, profile_key: str = "profile") -> dict:
+    cfg = step_time["configuration"]
+    T = cfg["world_size"]
+    profile = _profile(json.loads(profile_path.read_text())[profile_key])
     rows = []
-    for m in step_time["m_sweep"]:
-        c = evaluate(model, cluster, m["M"], m["K"], layout="host-local", sharding_types=(sharding,))
+    for m, c in zip(step_time["m_sweep"], _candidates(profile, step_time)):
         # the measured median step is a step without a sync when K > 1 (K - 1 of K steps have none)
         predicted = c.step_s - c.sync_s if m["K"] > 1 else c.step_s
         measured = m["step_time_median_s"]
@@ -367,26 +430,47 @@ def main() -> None:
     ap.add_argument("--sharding", default="table_wise")
     ap.add_argument("--step-time", default="bench/results/step_time.json")
     ap.add_argument("--out", default="bench/results/calibrate_cpu.json")
-    ap.add_argument("--skip-measure", action="store_true", help="reuse the profile in --out; only predict")
+    ap.add_argument("--calibration-runs", default="bench/results/step_time_b512.json",
+                    help="step_time.py runs at another batch, for the collective latencies under training load "
+                         "(missing: the microbenchmark latencies are used)")
+    ap.add_argument("--skip-measure", action="store_true", help="reuse the microbenchmarks in --out; only calibrate and predict")
     a = ap.parse_args()
     out = Path(a.out)
     if a.skip_measure:
         result = json.loads(out.read_text())
+        result["profile"] = result.get("microbenchmark_profile", result["profile"])
     else:
         result = build_profile(a.world_size, a.batch_size, a.spec, a.sharding)
         result.update(benchmark="calibrate_cpu", machine=machine_info(),
                       configuration={"world_size": a.world_size, "batch_size": a.batch_size, "spec": a.spec,
                                      "sharding": a.sharding, "threads_per_worker": 1, "reps": REPS})
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+    result["microbenchmark_profile"] = dict(result["profile"])
+    runs_path = Path(a.calibration_runs)
+    if runs_path.is_file():
+        runs = json.loads(runs_path.read_text())
+        lat = run_latencies(result["profile"], runs)
+        result["profile"] = {**result["profile"], "a2a_latency": lat["a2a_latency"],
+                             "allreduce_latency": lat["allreduce_latency"]}
+        result["latencies"] = {"source": f"{runs_path} (global batch {runs['configuration']['global_batch']})",
+                               "residual_s": lat["residual_s"]}
+    else:
+        result["latencies"] = {"source": f"microbenchmarks ({runs_path} not found)"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     step_path = Path(a.step_time)
     if step_path.is_file():
-        result["check"] = predict(out, json.loads(step_path.read_text()))
+        step_time = json.loads(step_path.read_text())
+        if runs_path.is_file() and step_time["configuration"]["global_batch"] == runs["configuration"]["global_batch"]:
+            raise SystemExit(f"{step_path} and {runs_path} ran the same batch: the check must use runs the "
+                             f"calibration never saw")
+        result["check"] = predict(out, step_time)
         result["check"]["step_time_file"] = str(step_path)
+        result["check_microbenchmark_latencies"] = predict(out, step_time, "microbenchmark_profile")
     else:
         result["check"] = {"skipped": f"{step_path} not found; run bench/step_time.py first"}
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({"profile": result["profile"], "check": result["check"]}, indent=2))
+    print(json.dumps({"profile": result["profile"], "latencies": result["latencies"], "check": result["check"],
+                      "check_microbenchmark_latencies": result.get("check_microbenchmark_latencies")}, indent=2))
 
 
 if __name__ == "__main__":

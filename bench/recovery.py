@@ -10,7 +10,10 @@ split into
   first_step  -> the first training step after the restore has finished
 The storage runs keep no in-memory copies (train.snapshot_every_syncs=0), so they must read
 the checkpoint. Snapshot overhead is the time workers spend handing copies to the holders
-(phase `snapshot`) per step, over the step time, measured in the peer runs before the kill.
+(phase `snapshot`, the slowest worker's) over the wall time, measured in the peer runs over the
+logging intervals before the kill but the first (which holds start-up; its snapshot seconds are
+reported apart). Each sending worker's snapshot is one copy of its shard into a shared-memory
+slot file its node's holder owns (train/recovery.py).
 
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it.
 
@@ -128,17 +131,21 @@ def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
         return {m.step: m.value for m in client.get_metric_history(run_id, name) if m.step <= before_step}
 
     snap, interval, steps = series("time/snapshot_s_max"), series("time/interval_s"), series("train/step_time_s")
-    common = sorted(set(snap) & set(interval) & set(steps))[1:]  # the first interval holds start-up
+    every = sorted(set(snap) & set(interval) & set(steps))
+    common = every[1:]  # the first interval holds start-up
     snap_s = sum(snap[s] for s in common)
     wall = sum(interval[s] for s in common)
+    per = [round(snap[s], 4) for s in common]
     return {"intervals": len(common), "snapshot_s": round(snap_s, 4), "interval_s": round(wall, 3),
-            "overhead": round(snap_s / wall, 4) if wall else None, "sync_every": config.grid.sync_every}
+            "overhead": round(snap_s / wall, 4) if wall else None, "sync_every": config.grid.sync_every,
+            "snapshot_s_per_interval": per, "first_interval_snapshot_s": round(snap[every[0]], 4) if every else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,1gb")
-    ap.add_argument("--kill-after-step", type=int, default=21, help="kill once the job passed this step")
+    ap.add_argument("--kill-after-step", type=int, default=41,
+                    help="kill once the job passed this step (the snapshot overhead is measured over the intervals before it)")
     ap.add_argument("--warm-storage", action="store_true",
                     help="leave the checkpoint in the page cache (default: drop it after the kill, so the storage "
                          "restore reads storage, as a replacement node would)")

@@ -3,7 +3,11 @@
 Sweeps M in {1, 2, 4} at T = 4 with the same global batch, and K in {1, 5, 25} at M = 2.
 Writes bench/results/step_time.json (configuration, machine, figures) and prints it.
 
-    .venv/bin/python bench/step_time.py [--steps 60] [--batch-size 256] [--out PATH]
+    .venv/bin/python bench/step_time.py [--steps 200] [--global-batch 1024] [--m-sweep-only] [--out PATH]
+
+bench/calibrate_cpu.py takes its collective latencies from a run of this at another batch
+(`--global-batch 512 --m-sweep-only --out bench/results/step_time_b512.json`) and checks the
+cost model against the default one.
 """
 
 from __future__ import annotations
@@ -88,11 +92,13 @@ def main() -> None:
     ap.add_argument("--sharding", default="table_wise")
     ap.add_argument("--sync-every", type=int, default=5, help="K used in the M sweep")
     ap.add_argument("--out", default="bench/results/step_time.json")
+    ap.add_argument("--m-sweep-only", action="store_true", help="skip the K sweep (calibration runs)")
     a = ap.parse_args()
     T = a.world_size
     m_sweep = [measure(T, M, a.sync_every, a.steps, a.warmup, a.global_batch, a.spec, a.sharding)
                for M in (1, 2, 4) if T % M == 0]
-    k_sweep = [measure(T, 2, K, 2 * a.steps, a.warmup, a.global_batch, a.spec, a.sharding) for K in (1, 5, 25)]
+    k_sweep = [] if a.m_sweep_only else \
+        [measure(T, 2, K, 2 * a.steps, a.warmup, a.global_batch, a.spec, a.sharding) for K in (1, 5, 25)]
     result = {
         "benchmark": "step_time",
         "configuration": {"world_size": T, "global_batch": a.global_batch, "spec": a.spec, "sharding": a.sharding,

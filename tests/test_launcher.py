@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from faults import BackgroundJob, row_audit, training
+from recgrid.train import recovery
 from recgrid.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,9 +185,12 @@ def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):
         assert len(shards) == T
         for s in shards:
             assert s["digest"] == s["source_digest"]  # restored == the copy held in memory
+            assert s["via"] == "shared memory"  # the node's slot file, mapped: no object-store copy
         for j in (0, 1):  # every member of a replica group holds the same bits
             assert len({s["digest"] for s in shards if s["shard"] == j}) == 1
         assert e["replicas_identical_after_sync"] is True
+    # the holders' shared-memory slot files went with the job
+    assert not os.path.exists(os.path.join(recovery.SHM_BASE, f"recgrid-snapshots-{c['result'].run_id}"))
 
 
 def test_chaos_trains_every_row_once_but_the_rolled_back_steps(chaos):

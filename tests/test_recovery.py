@@ -231,3 +231,50 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k  # every table and moment, bit for bit
+
+
+# ---- the holder's shared-memory slot files ----------------------------------------------------------------
+def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, monkeypatch):
+    """A shard copy goes into one of two slot files per shard position; a third generation reuses
+    the slot of the one it evicts, never the newest kept; reads give back the written bits."""
+    from recgrid.train import recovery
+
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
+    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    written = {}
+    slots = []
+    for step in (5, 10, 15):
+        tensors = [torch.full((7, 3), float(step)), torch.arange(step, dtype=torch.int64)]
+        layout, nbytes = recovery.shard_layout(tensors)
+        assert all(off % recovery.ALIGN == 0 for _, _, off in layout)
+        slot = holder.reserve(step, "shard/0", nbytes)
+        assert slot is not None
+        slots.append(slot["slot"])
+        buf = np.memmap(slot["path"], dtype=np.uint8, mode="r+")
+        for t, (_, _, off) in zip(tensors, layout):
+            raw = t.numpy().view(np.uint8).reshape(-1)
+            buf[off:off + raw.size] = raw
+        buf.flush()
+        del buf
+        holder.commit(step, "shard/0", slot, layout)
+        written[step] = [t.numpy().copy() for t in tensors]
+    assert slots == [0, 1, 0]
+    assert sorted(holder.inventory()) == [10, 15]  # the oldest went; its slot was reused
+    assert len(holder.files()) == 2
+    for step in (10, 15):
+        got = holder._payload(step, "shard/0")
+        assert [g.tolist() for g in got] == [w.tolist() for w in written[step]]
+        assert holder.digest_of(step, "shard/0") == recovery.digest(written[step])
+    assert holder.reserve(1, "shard/0", 64) is None  # older than everything kept: nothing to keep
+    # a generation being written (reserved, not committed) is not complete, and evicts no kept slot
+    slot = holder.reserve(20, "shard/0", 64 * 4)
+    assert slot["slot"] == 1 and holder.inventory()[20] == []
+    holder.close()
+    assert holder.files() == [] and not (tmp_path / "recgrid-snapshots-run-1").exists()
+
+
+def test_holder_without_shared_memory_says_so(tmp_path, monkeypatch):
+    from recgrid.train import recovery
+
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path / "missing"))
+    assert recovery.SnapshotHolderImpl("node-a", "run-1").reserve(5, "shard/0", 64) is None

@@ -87,6 +87,9 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
     # no resharding: the new sharding group was seeded with the same shard positions, from the
     # copies on the node that kept training, bit for bit
     assert {s["shard"] for s in grow["shards"] if not s["same_node"]} == {0, 1}
+    # a slot file is mapped on its own node only; another node's copy comes through the object store
+    assert {s["via"] for s in grow["shards"] if not s["same_node"]} == {"object store"}
+    assert {s["via"] for s in grow["shards"] if s["same_node"]} <= {"shared memory"}
     assert all(s["digest"] == s["source_digest"] for s in grow["shards"])
     assert grow["replicas_identical_after_sync"] is True
     client = mlflow_client(cfg)

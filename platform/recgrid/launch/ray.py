@@ -174,7 +174,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
 
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record, sharding_summary
-    from recgrid.train.recovery import FailureClock, RecoveryCoordinator
+    from recgrid.train.recovery import FailureClock, RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.ft import train_replica
     from recgrid.train.worker import WorkerJob, train_worker
 
@@ -231,8 +231,10 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
     finally:
         try:
             status = ray.get(coordinator.status.remote(), timeout=30)
+            ray.get(coordinator.release.remote(), timeout=60)  # the holders delete their shard files
         except Exception:  # noqa: BLE001 - the job's own error matters more
-            status = {}
+            status = status if "status" in locals() else {}
+        remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
     return status
 
 

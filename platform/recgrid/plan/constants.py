@@ -179,13 +179,14 @@ DEFAULT_CPU_CALIBRATION = Path("bench/results/calibrate_cpu.json")
 
 @dataclass(frozen=True)
 class CpuProfile:
-    """Figures of the CPU + gloo form, each measured by a microbenchmark in bench/calibrate_cpu.py
-    (never by the step-time runs the model is checked against). Times in seconds.
+    """Figures of the CPU + gloo form, measured by bench/calibrate_cpu.py: microbenchmarks, and
+    the collective latencies from bench/step_time.py runs at another batch size (never the
+    step-time runs the model is checked against). Times in seconds.
 
     A collective of `nbytes` per rank over `n` ranks costs latency[n] + nbytes / bandwidth[n]:
     the bandwidth is the slope of the collective alone over message sizes, the latency is what
-    a small collective adds when every worker computes between collectives (on an oversubscribed
-    machine a collective also waits for peers that are not running).
+    a collective adds to a training step (on an oversubscribed machine a collective also waits
+    for peers that are not running; calibrate_cpu.py's docstring says how it is measured).
     """
 
     cores: int

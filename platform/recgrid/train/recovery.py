@@ -8,8 +8,13 @@ must outlive it live in actors the driver owns:
 - `SnapshotHolder`, one per node (created on the node it serves, owned by the coordinator, which
   the driver owns, so no worker's death takes it along): it keeps the snapshot generations
   handed to it by the workers of its node, at most two (the newest complete one and the one
-  being written), copied out of the object store into its own memory (an object put by a
-  worker dies with that worker).
+  being written). A shard copy lives in one of two shared-memory files per shard position that
+  the holder owns (under /dev/shm; they outlive the worker that wrote them, and each worker
+  keeps both mapped, so a snapshot is one memory copy straight out of the kernels' storage:
+  no serialization, no object-store copy, no second copy by the holder). The small parts (dense
+  part, progress, NE windows), and the shards too where /dev/shm is missing or too small, go
+  through the object store and are copied out by the holder (an object put by a worker dies
+  with that worker).
 - `RecoveryCoordinator`, one per job: the holders by node, which generation is complete on the
   holders still alive, the attempts (workers' pids and nodes), the failure clock and the
   recovery events the run logs.
@@ -34,6 +39,9 @@ Work lost is at most the steps since the last snapshot (K steps with snapshots a
 
 from __future__ import annotations
 
+import mmap
+import os
+import shutil
 import time
 import zlib
 from dataclasses import dataclass
@@ -49,6 +57,42 @@ if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
 
 KEEP_GENERATIONS = 2  # the newest complete generation and the one being written
+SHM_BASE = "/dev/shm"  # tmpfs: shared memory the node's processes map (Ray's object store lives there too)
+SHM_MARGIN = 256 << 20  # what a new slot file leaves free in it, for the object store and others
+ALIGN = 64  # byte alignment of each tensor in a slot file
+
+
+def snapshot_dir(run_id: str, node_id: str) -> str | None:
+    """Where a node's holder keeps its shard files (None: no usable shared memory here)."""
+    if not (os.path.isdir(SHM_BASE) and os.access(SHM_BASE, os.W_OK)):
+        return None
+    return os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}", node_id[:16])
+
+
+def remove_snapshot_files(run_id: str) -> None:
+    """Delete this machine's shard files of job `run_id` (those of holders that died with their
+    node included, where several Ray nodes share one machine)."""
+    shutil.rmtree(os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}"), ignore_errors=True)
+
+
+def shard_layout(tensors: Sequence["torch.Tensor"]) -> tuple[list[tuple[str, list[int], int]], int]:
+    """Where each tensor goes in a slot file: [(dtype name, shape, byte offset)], total bytes."""
+    layout, offset = [], 0
+    for t in tensors:
+        layout.append((str(t.dtype).removeprefix("torch."), list(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return layout, max(offset, ALIGN)
+
+
+def read_slot(path: str, layout: Sequence[tuple[str, list[int], int]]) -> list[np.ndarray]:
+    """The arrays of a slot file, as read-only views of its (shared) memory."""
+    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for dtype, shape, offset in layout:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        out.append(whole[offset:offset + n].view(dt).reshape(shape))
+    return out
 
 
 def digest(arrays: Sequence[np.ndarray]) -> str:
@@ -70,25 +114,77 @@ class SnapshotHolderImpl:
     and a restoring worker on this node maps it without another copy through this process.
     """
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, run_id: str = "local") -> None:
         import threading
 
         self.node_id = node_id
+        self.root = snapshot_dir(run_id, node_id)
         self.generations: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()  # the workers of a node put at once
+
+    def _admit(self, step: int) -> bool:
+        """Make room for generation `step` (keeping at most KEEP_GENERATIONS, itself included);
+        False for a step older than everything kept (a stale writer: nothing to keep). Under the lock."""
+        if step not in self.generations:
+            if self.generations and step < min(self.generations) and len(self.generations) >= KEEP_GENERATIONS:
+                return False
+            self.generations[step] = {}
+            for old in sorted(self.generations)[:-KEEP_GENERATIONS]:
+                self._drop(old)
+        return True
 
     def put(self, step: int, key: str, payload: Any) -> None:
         import ray
 
         payload = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
         with self._lock:
-            if step not in self.generations:
-                if self.generations and step < min(self.generations) and len(self.generations) >= KEEP_GENERATIONS:
-                    return  # older than everything kept (a stale writer): nothing to keep
-                self.generations[step] = {}
-                for old in sorted(self.generations)[:-KEEP_GENERATIONS]:
-                    self._drop(old)
-            self.generations[step][key] = payload
+            if self._admit(step):
+                self.generations[step][key] = payload
+
+    def reserve(self, step: int, key: str, nbytes: int) -> dict[str, Any] | None:
+        """A shared-memory slot file of `nbytes` for `key` at generation `step`: the one of the
+        key's two slots that no other kept generation uses. None: write through the object store
+        (no usable /dev/shm, not enough room in it, or a stale step)."""
+        with self._lock:
+            if self.root is None or not self._admit(step):
+                return None
+            used = {p["slot"] for s, g in self.generations.items() if s != step
+                    for k, p in g.items() if k == key and isinstance(p, dict)}
+            free = sorted({0, 1} - used)
+            if not free:  # cannot happen with two generations kept; the object store then
+                return None
+            paths = self._allocate(key, nbytes)
+            return None if paths is None else {"path": paths[free[0]], "slot": free[0]}
+
+    def allocate(self, key: str, nbytes: int) -> list[str] | None:
+        """Both slot files of `key`, of `nbytes` each, created now where missing (a writer maps
+        them before training, so no snapshot pays for the pages). None: no room in shared memory."""
+        with self._lock:
+            return self._allocate(key, nbytes)
+
+    def _allocate(self, key: str, nbytes: int) -> list[str] | None:
+        if self.root is None:
+            return None
+        paths = [os.path.join(self.root, f"{key.replace('/', '-')}.{slot}") for slot in (0, 1)]
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            for path in paths:
+                have = os.path.getsize(path) if os.path.exists(path) else 0
+                if have == nbytes:
+                    continue
+                if shutil.disk_usage(self.root).free + have < nbytes + SHM_MARGIN:
+                    return None
+                with open(path, "wb") as f:  # the pages are allocated (and zeroed) here, once
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
+        except OSError:
+            return None
+        return paths
+
+    def commit(self, step: int, key: str, slot: dict[str, Any], layout: list) -> None:
+        """The writer finished the slot file it reserved: generation `step` now has `key`."""
+        with self._lock:
+            if step in self.generations:  # else dropped meanwhile (a restore went back before it)
+                self.generations[step][key] = {**slot, "layout": layout}
 
     def put_many(self, step: int, payload: dict[str, Any]) -> None:
         for key, value in payload.items():
@@ -97,15 +193,26 @@ class SnapshotHolderImpl:
     def inventory(self) -> dict[int, list[str]]:
         return {step: sorted(keys) for step, keys in self.generations.items()}
 
-    def get(self, step: int, key: str) -> list:
-        """[the payload's object ref] (in a list, so the caller fetches it straight from the store)."""
+    def get(self, step: int, key: str) -> Any:
+        """[the payload's object ref] (in a list, so the caller fetches it straight from the store),
+        or for a shard in a slot file {"path", "slot", "layout"} (a worker on this node maps it)."""
         return self.generations[step][key]
+
+    def fetch(self, step: int, key: str) -> list:
+        """[an object ref to a payload's arrays] (a worker on another node: the store moves it there)."""
+        import ray
+
+        return [ray.put(self._payload(step, key))]
+
+    def _payload(self, step: int, key: str) -> Any:
+        import ray
+
+        held = self.generations[step][key]
+        return read_slot(held["path"], held["layout"]) if isinstance(held, dict) else ray.get(held[0])
 
     def digest_of(self, step: int, key: str) -> str:
         """The checksum of a held payload (for the restore's bit-for-bit check, off its clock)."""
-        import ray
-
-        return digest(_arrays(ray.get(self.generations[step][key][0])))
+        return digest(_arrays(self._payload(step, key)))
 
     def drop_after(self, step: int) -> None:
         """Forget generations newer than `step` (the restore point): a restarted job writes them anew."""
@@ -114,12 +221,28 @@ class SnapshotHolderImpl:
                 self._drop(s)
 
     def nbytes(self) -> int:
-        import ray
+        """Bytes held: the kept generations' payloads (a slot file counts while a generation uses it)."""
+        return sum(int(a.nbytes) for s, g in self.generations.items() for k in g for a in _arrays(self._payload(s, k)))
 
-        return sum(int(a.nbytes) for g in self.generations.values() for p in g.values() for a in _arrays(ray.get(p[0])))
+    def files(self) -> list[str]:
+        """The slot files on disk (at most two per shard position of this node)."""
+        if self.root is None or not os.path.isdir(self.root):
+            return []
+        return sorted(os.path.join(self.root, f) for f in os.listdir(self.root))
+
+    def close(self) -> None:
+        """Forget everything and delete the slot files (the job is over)."""
+        with self._lock:
+            self.generations.clear()
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
+                try:
+                    os.rmdir(os.path.dirname(self.root))  # the job's directory, once no node's is left
+                except OSError:
+                    pass
 
     def _drop(self, step: int) -> None:
-        self.generations.pop(step, None)
+        self.generations.pop(step, None)  # its slot files stay, for the next generation to reuse
 
 
 def _arrays(payload: Any) -> list[np.ndarray]:
@@ -159,8 +282,18 @@ class RecoveryCoordinatorImpl:
             if node_id not in self.holders or not self._alive(node_id):
                 self.holders[node_id] = SnapshotHolder.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                ).remote(node_id)
+                ).remote(node_id, self.run_id)
             return self.holders[node_id]
+
+    def release(self) -> None:
+        """The job is over: every live holder deletes its slot files."""
+        import ray
+
+        for holder in list(self.holders.values()):
+            try:
+                ray.get(holder.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a dead node's holder: its files went with it (or the driver removes them)
+                pass
 
     def _alive(self, node_id: str) -> bool:
         import ray
@@ -346,6 +479,7 @@ class Recovery:
         self.node = self.nodes[self.rank]
         self._holder: Any = None
         self._inflight: list[Any] = []
+        self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it), kept mapped
         self.snapshots = 0
 
     @property
@@ -379,13 +513,54 @@ class Recovery:
         # every worker's own NE window (a few KiB; the restore sums them), no collective here
         payload: dict[str, Any] = {f"window/{self.rank}": trainer.metrics.own_window().numpy()}
         if self.sends_shard():
-            payload[f"shard/{self.groups.coords.shard_rank}"] = [_numpy(t) for t in trainer.shard_tensors()]
+            key, tensors = f"shard/{self.groups.coords.shard_rank}", trainer.shard_tensors()
+            if not self._write_slot(step, key, tensors):
+                payload[key] = [_numpy(t) for t in tensors]
         if self.sends_job_state():
             payload["dense"] = {k: v.numpy() for k, v in trainer.dense_state().items()}
             payload["progress"] = {"progress": trainer.state.progress()}
         # one copy into the object store, now (the step may change the tensors next), and one call
         self._inflight.append(self.holder.put_many.remote(step, ray.put(payload)))
         self.snapshots += 1
+
+    def prepare(self, trainer: "Trainer") -> None:
+        """Before training: have the node's holder create this worker's two slot files (when it
+        sends its shard position's copy) and map them here, so snapshots only copy."""
+        import ray
+
+        if self.coordinator is None or not self.sends_shard():
+            return
+        _, nbytes = shard_layout(trainer.shard_tensors())
+        for path in ray.get(self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}", nbytes)) or []:
+            self._map(path, nbytes)
+
+    def _map(self, path: str, nbytes: int) -> "torch.Tensor":
+        """The slot file at `path` as a writable uint8 tensor (mapped once per attempt, page tables filled now)."""
+        import torch
+
+        if path not in self._maps or self._maps[path][1].numel() != nbytes:
+            with open(path, "r+b") as f:
+                mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        return self._maps[path][1]
+
+    def _write_slot(self, step: int, key: str, tensors: Sequence["torch.Tensor"]) -> bool:
+        """Copy `tensors` into a slot file the node's holder reserves for them, and commit it.
+        False: the holder has no room in shared memory (the caller uses the object store)."""
+        import ray
+        import torch
+
+        layout, nbytes = shard_layout(tensors)
+        slot = ray.get(self.holder.reserve.remote(step, key, nbytes))
+        if slot is None:
+            return False
+        buf = self._map(slot["path"], nbytes)
+        with torch.no_grad():
+            for t, (_, _, offset) in zip(tensors, layout):
+                n = t.numel() * t.element_size()
+                buf[offset:offset + n].view(t.dtype).copy_(t.detach().reshape(-1))
+        self._inflight.append(self.holder.commit.remote(step, key, slot, layout))
+        return True
 
     def _settle(self) -> None:
         """Wait for the previous snapshot's copies (memory stays bounded by two generations)."""
@@ -486,13 +661,20 @@ class Recovery:
 
         step, where = plan["step"], plan["where"]
         chosen: dict[str, str] = {}
+        via: dict[str, str] = {}  # how each payload came: "shared memory" (a slot file) or "object store"
 
         def fetch(key: str) -> Any:
             nodes = where[key]
             chosen[key] = self.node if self.node in nodes else nodes[0]
             holder = ray.get(self.coordinator.holder_for.remote(chosen[key]))
-            (ref,) = ray.get(holder.get.remote(step, key))
-            return ray.get(ref)  # mapped from this node's object store (moved here if it lives elsewhere)
+            held = ray.get(holder.get.remote(step, key))
+            if isinstance(held, dict):  # a slot file: mapped here on its node, else sent through the store
+                if chosen[key] == self.node:
+                    via[key] = "shared memory"
+                    return read_slot(held["path"], held["layout"])
+                held = ray.get(holder.fetch.remote(step, key))
+            via[key] = "object store"
+            return ray.get(held[0])  # mapped from this node's object store (moved here if it lives elsewhere)
 
         key = f"shard/{self.groups.coords.shard_rank}"
         shard, dense, progress = fetch(key), fetch("dense"), fetch("progress")
@@ -503,7 +685,7 @@ class Recovery:
             window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
         trainer.restore([_tensor(a) for a in shard], {k: _tensor(v) for k, v in dense.items()},
                         progress["progress"], window)
-        return {"key": key, "node": chosen[key], "tensors": len(shard)}
+        return {"key": key, "node": chosen[key], "tensors": len(shard), "via": via[key]}
 
     def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, str]) -> dict[str, Any]:
         """This worker's restored shard checksum beside the holder copy's: bit for bit or an error."""
@@ -516,7 +698,7 @@ class Recovery:
             raise RuntimeError(f"{fetched['key']} restored from node {fetched['node']} differs from the copy held "
                                f"there ({restored} != {source})")
         return {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": restored, "source_digest": source,
-                "from_node": fetched["node"], "same_node": fetched["node"] == self.node}
+                "from_node": fetched["node"], "same_node": fetched["node"] == self.node, "via": fetched["via"]}
 
     def replica_digests(self, trainer: "Trainer") -> list[str]:
         """Every replica-group member's shard digest (collective in the replica group)."""

@@ -97,6 +97,8 @@ def train_worker(cfg: dict) -> None:
         # one monitor per node (its first worker), named by host and Ray node (hosts may hold several)
         system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{nodes[world_rank][:8]}", job.tracking_uri)
     recovery = Recovery(coordinator, grid, groups, nodes[:grid.world_size], attempt_no)
+    if job.loop.snapshot_every_syncs:
+        recovery.prepare(trainer)  # shared-memory slots for this worker's snapshots, before any step
     checkpointer = Checkpointer(ray_storage=True)
     stored = ray.train.get_checkpoint()
     restored = recovery.restore(trainer, checkpointer, stored.path if stored else None, job.resume_from,
