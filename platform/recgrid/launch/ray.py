@@ -226,6 +226,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
         + (", torchft: survivors keep running, a failed replica heals from a live peer"
            if t.fault_tolerance == "torchft" else ""))
+    status: dict[str, Any] = {}
     try:
         trainer.fit()
     finally:
@@ -233,7 +234,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
             status = ray.get(coordinator.status.remote(), timeout=30)
             ray.get(coordinator.release.remote(), timeout=60)  # the holders delete their shard files
         except Exception:  # noqa: BLE001 - the job's own error matters more
-            status = status if "status" in locals() else {}
+            pass
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
     return status
 

@@ -62,17 +62,22 @@ SHM_MARGIN = 256 << 20  # what a new slot file leaves free in it, for the object
 ALIGN = 64  # byte alignment of each tensor in a slot file
 
 
+def _job_dir(run_id: str) -> str:
+    """The directory of job `run_id`'s shard files on a machine (one subdirectory per node's holder)."""
+    return os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}")
+
+
 def snapshot_dir(run_id: str, node_id: str) -> str | None:
     """Where a node's holder keeps its shard files (None: no usable shared memory here)."""
     if not (os.path.isdir(SHM_BASE) and os.access(SHM_BASE, os.W_OK)):
         return None
-    return os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}", node_id[:16])
+    return os.path.join(_job_dir(run_id), node_id[:16])
 
 
 def remove_snapshot_files(run_id: str) -> None:
     """Delete this machine's shard files of job `run_id` (those of holders that died with their
     node included, where several Ray nodes share one machine)."""
-    shutil.rmtree(os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}"), ignore_errors=True)
+    shutil.rmtree(_job_dir(run_id), ignore_errors=True)
 
 
 def shard_layout(tensors: Sequence["torch.Tensor"]) -> tuple[list[tuple[str, list[int], int]], int]:
@@ -105,13 +110,16 @@ def digest(arrays: Sequence[np.ndarray]) -> str:
 
 
 class SnapshotHolderImpl:
-    """One node's in-memory snapshots: generation (step) -> key -> a Ray object this holder owns.
+    """One node's in-memory snapshots: generation (step) -> key -> what holds the payload.
 
     Keys: "shard/<j>" (shard position j: a list of arrays), "dense" (name -> array), "progress"
-    (the job's progress), "window/<rank>" (a worker's NE window). Each payload arrives as a view
-    of an object the sending worker owns and is copied, once, into an object of this holder's
-    (`ray.put` here): it outlives the sender, stays in the node's shared-memory object store,
-    and a restoring worker on this node maps it without another copy through this process.
+    (the job's progress), "window/<rank>" (a worker's NE window). A shard is normally in one of
+    the key's two slot files, which this holder owns and the sender wrote in place
+    (`reserve` / `commit`; held as {"path", "slot", "layout"}). Every other payload, and a shard
+    when there is no room in shared memory, arrives as a view of an object the sending worker
+    owns and is copied, once, into an object of this holder's (`ray.put` here; held as [ref]):
+    it outlives the sender, stays in the node's shared-memory object store, and a restoring
+    worker on this node maps it without another copy through this process.
     """
 
     def __init__(self, node_id: str, run_id: str = "local") -> None:
