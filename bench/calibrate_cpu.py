@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from recgrid.data.specs import NUM_DENSE, get_spec
 from recgrid.launch.local import run_local
-from recgrid.launch.report import machine_info
+from recgrid.launch.report import machine_info, write_result
 
 A2A_BYTES = (1 << 8, 1 << 12, 1 << 16, 1 << 18, 1 << 20)  # per rank, all peers together
 ALLREDUCE_BYTES = (1 << 8, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -400,10 +400,11 @@ def run_latencies(profile: dict, runs: dict) -> dict:
             "residual_s": {str(M): round(r, 6) for M, r in residual.items()}}
 
 
-def predict(profile_path: Path, step_time: dict, profile_key: str = "profile") -> dict:
+def predict(raw_profile: dict, step_time: dict) -> dict:
+    """The cost model's step time under `raw_profile` (its JSON form) against each measured run."""
     cfg = step_time["configuration"]
     T = cfg["world_size"]
-    profile = _profile(json.loads(profile_path.read_text())[profile_key])
+    profile = _profile(raw_profile)
     rows = []
     for m, c in zip(step_time["m_sweep"], _candidates(profile, step_time)):
         # the measured median step is a step without a sync when K > 1 (K - 1 of K steps have none)
@@ -455,20 +456,19 @@ def main() -> None:
                                "residual_s": lat["residual_s"]}
     else:
         result["latencies"] = {"source": f"microbenchmarks ({runs_path} not found)"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result)  # the profile is kept even if the check below fails
     step_path = Path(a.step_time)
     if step_path.is_file():
         step_time = json.loads(step_path.read_text())
         if runs_path.is_file() and step_time["configuration"]["global_batch"] == runs["configuration"]["global_batch"]:
             raise SystemExit(f"{step_path} and {runs_path} ran the same batch: the check must use runs the "
                              f"calibration never saw")
-        result["check"] = predict(out, step_time)
+        result["check"] = predict(result["profile"], step_time)
         result["check"]["step_time_file"] = str(step_path)
-        result["check_microbenchmark_latencies"] = predict(out, step_time, "microbenchmark_profile")
+        result["check_microbenchmark_latencies"] = predict(result["microbenchmark_profile"], step_time)
     else:
         result["check"] = {"skipped": f"{step_path} not found; run bench/step_time.py first"}
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result)
     print(json.dumps({"profile": result["profile"], "latencies": result["latencies"], "check": result["check"],
                       "check_microbenchmark_latencies": result.get("check_microbenchmark_latencies")}, indent=2))
 

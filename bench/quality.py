@@ -45,7 +45,6 @@ its batches once and builds a fresh trainer per configuration on the same proces
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -60,6 +59,7 @@ import numpy as np
 from recgrid.data.specs import DatasetSpec, get_spec
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
+from recgrid.launch.report import write_result
 
 WORLD_SIZE = 8
 
@@ -438,8 +438,7 @@ def main() -> None:
         "table": table,
         "runs": runs,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_result(a.out, result)
     plot(table, a.groups, a.sync_every, Path(a.plot))
     print_table(table, {"embedding learning matters": embedding_matters, "verdict": result["verdict"],
                         "wall_s": result["wall_s"], "written": f"{a.out}, {a.plot}"})

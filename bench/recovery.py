@@ -154,7 +154,7 @@ def main() -> None:
 
     import ray
 
-    from recgrid.launch.report import machine_info
+    from recgrid.launch.report import machine_info, write_result
 
     tmp = Path(tempfile.mkdtemp(prefix="recgrid-bench-recovery-"))
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
@@ -182,8 +182,7 @@ def main() -> None:
         "machine": machine_info(),
         "results": results,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
+    write_result(a.out, out)
     print(json.dumps(out, indent=2))
 
 

@@ -18,14 +18,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
-from recgrid.launch.report import machine_info
+from recgrid.launch.report import machine_info, write_result
 from recgrid.engine.model import ModelSpec
 from recgrid.launch.smoke import random_batches
 from recgrid.data.specs import get_spec
@@ -109,8 +108,7 @@ def main() -> None:
         "m_sweep": m_sweep,
         "k_sweep": k_sweep,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_result(a.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -18,7 +18,6 @@ Writes bench/results/towers.json (configuration, machine, figures) as it goes an
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -81,7 +80,7 @@ def main() -> None:
     from recgrid.data.synth import planted_groups, write_synth
     from recgrid.engine.towers import strided_partition
     from recgrid.launch.local import run_local
-    from recgrid.launch.report import machine_info
+    from recgrid.launch.report import machine_info, write_result
     from recgrid.launch.towers import pooled_embeddings
     from recgrid.plan.partition import adjusted_rand_index, labels_from_groups, partition_features, purity, \
         strided_labels
@@ -148,7 +147,7 @@ def main() -> None:
         runs += run_local(run_configs, 4, configs, train_glob, eval_glob, "tiny", a.steps, a.batch_size, seed,
                           timeout_s=7200)[0]
         result["runs"] = runs
-        Path(a.out).write_text(json.dumps(result, indent=2))
+        write_result(a.out, result)
 
     def stat(rows: list[dict], key: str) -> dict:
         v = [r[key] for r in rows]
@@ -165,7 +164,7 @@ def main() -> None:
             "cross_host_bytes_per_step": ex.get("exchange/bytes/cross_host"),
             "cross_host_world_size": ex.get("exchange/world_size/cross_host")})
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_result(a.out, result)
     print(f"{'config':<16} {'eval NE':>17} {'eval AUC':>17} {'step ms':>12} {'x-host B/step':>14} {'a2a ws':>6}")
     for s in result["summary"]:
         print(f"{s['name']:<16} {s['eval_ne']['mean']:.4f} ± {s['eval_ne']['std']:.4f}  "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform as _platform  # the stdlib module (the repo's platform/ folder is not a package)
 import socket
 from datetime import datetime, timezone
+from pathlib import Path
 
 from recgrid.launch.tracking import stack_versions
 
@@ -93,3 +95,11 @@ def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], eve
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["-" * (width + 40), f"open the MLflow UI on these runs:  {ui_command}", ""]
     return "\n".join(lines)
+
+
+def write_result(path: str | Path, result: dict) -> Path:
+    """Write a benchmark's JSON (indented) to `path`, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
