@@ -166,6 +166,31 @@ def test_row_wise_is_offered_where_torchrec_would_need_it():
     assert _row_wise_tables(model, L=1, per_node=1, one_gpu=1e15) == set()
 
 
+def test_narrower_column_shards_are_offered_to_tables_above_a_workers_share():
+    """TorchRec's column-wise cuts a 128-dim table into one 128-column shard (the whole table); the
+    planner also offers 64- and 32-column shards (MIN_COLUMN_SHARD_BYTES) to the tables above one
+    worker's share of the bytes or the lookup work, priced by TorchRec's estimators."""
+    from recgrid.plan import planner
+    from recgrid.plan.tables import ModelTables, TableSpec
+
+    hot = TableSpec("hot", rows=1_000_000, dim=128, pooling=200)
+    narrow = TableSpec("narrow", rows=1_000_000, dim=16, pooling=200)  # hot too, but 16 columns: not cut
+    model = ModelTables("m", (hot, narrow) + tuple(TableSpec(f"t{i}", 1_000_000, 128, 2) for i in range(30)))
+    assert planner._narrow_column_widths(model, 16) == {64: ["hot"], 32: ["hot"]}
+    assert planner._narrow_column_widths(model, 1) == {}
+    with planner.quiet_torchrec():
+        space = planner._search_space(model, 16, 8, 1024, GpuCost(H100_SXM, 8), 1e9, planner.PLAN_SHARDING_TYPES)
+    cuts = lambda name: sorted(tuple(sh.size[1] for sh in so.shards)  # noqa: E731
+                               for so in space.options[name] if so.sharding_type == "column_wise")
+    assert cuts("hot") == [(32, 32, 32, 32), (64, 64), (128,)]
+    assert cuts("t0") == [(128,)]
+    four = next(so for so in space.options["hot"] if len(so.shards) == 4)
+    whole = next(so for so in space.options["hot"] if so.sharding_type == "column_wise" and len(so.shards) == 1)
+    # a quarter of the columns: less than half the slowest shard's time, a quarter of its bytes
+    assert max(sh.perf.total for sh in four.shards) < 0.5 * whole.shards[0].perf.total
+    assert four.shards[0].storage.hbm < whole.shards[0].storage.hbm
+
+
 def test_memoized_estimator_lookups_give_torchrecs_estimates():
     from recgrid.plan import planner
     from recgrid.plan.tables import tables_from_spec

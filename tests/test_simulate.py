@@ -56,18 +56,18 @@ def test_rows_and_json_shape(table2):
 
 
 def test_2d_keeps_scaling_where_model_parallelism_stops(table2):
-    """The part of Table 2's shape the cost model reproduces: full model parallelism's QPS stops
-    growing with GPUs (its all-to-all spans every GPU: per-peer latency and imbalance grow with T)
-    while 2-D, whose all-to-all stays inside 256 GPUs, keeps most of the linear speed-up."""
+    """Table 2's 2-D half (issue 9, acceptance 2): with sharding groups of 256 GPUs, 2-D keeps a
+    scaling factor of at least 0.85 to 4096 GPUs, while full model parallelism's QPS stops growing
+    with GPUs (its all-to-all spans every GPU: per-peer latency and imbalance grow with T); the gap
+    between them widens with T."""
     mp = [table2[(T, "model_parallel")] for T in GPUS]
     dd = [table2[(T, "2d")] for T in GPUS]
-    for m, d in zip(mp[1:], dd[1:]):
-        assert d.scaling_factor > m.scaling_factor + 0.2
-        assert d.candidate.qps > 1.3 * m.candidate.qps
+    assert all(d.scaling_factor >= 0.85 for d in dd), [round(d.scaling_factor, 3) for d in dd]
+    gaps = [d.scaling_factor - m.scaling_factor for m, d in zip(mp[1:], dd[1:])]
+    assert all(g > 0.1 for g in gaps) and gaps == sorted(gaps), gaps
+    assert all(d.candidate.qps > 1.15 * m.candidate.qps for m, d in zip(mp[1:], dd[1:]))
     assert mp[-1].scaling_factor < 0.35  # 16x the GPUs, under 6x the QPS
     assert mp[-1].candidate.qps < 1.4 * mp[3].candidate.qps  # doubling 2048 -> 4096 buys MP little
-    assert dd[1].scaling_factor >= 0.9 and dd[2].scaling_factor >= 0.9  # 512, 1024 GPUs
-    assert dd[3].scaling_factor >= 0.7 and dd[4].scaling_factor >= 0.7  # 2048, 4096 GPUs
     assert all(not r.oom for r in dd)
 
 
@@ -84,34 +84,30 @@ def test_2d_replica_groups_on_whole_nodes_at_4096(table2):
 
 def test_model_parallel_lookup_memory_per_gpu_does_not_grow_with_t(table2):
     """Where full model parallelism's memory goes (TorchRec's storage estimates): a table-row-wise
-    shard holds B x T x dim partial sums, but the 8 shards of a table share one node, so a GPU holds
-    788 / (T / 8) tables' worth: 8 x 788 x B x 128 x 4 bytes = 3.7 GB, whatever T. Only row-wise
-    shards (one per table on every GPU) would grow with T, and TorchRec's estimators never pick them
-    here; so model parallelism fits 80 GB at every T."""
+    shard holds B x T x dim partial sums, but the 8 shards of a table share a node, so a GPU holds
+    788 / (T / 8) tables' worth: 8 x 788 x B x 128 x 4 bytes = 3.7 GB, whatever T (a column-wise
+    shard holds B x T x its width, on one GPU only: less). Only row-wise shards (one per table on
+    every GPU) would grow with T, and TorchRec's estimators never pick them here; so model
+    parallelism fits 80 GB at every T."""
     from recgrid.plan.planner import dense_memory_bytes, plan_group
 
     model, per_gpu = load_tables(MODEL), 8 * 788 * B * 128 * 4
     for T in GPUS[2:]:
         c = table2[(T, "model_parallel")].candidate
-        assert set(c.sharding) == {"table_row_wise"}
+        assert "row_wise" not in c.sharding and c.sharding.get("table_row_wise", 0) > 394
         group = plan_group(model, T, 8, B, GpuCost(H100_SXM, 8), dense_memory_bytes(model, B))  # the fixture's plan
         activations = group.activation_bytes
-        assert sum(activations) / T == pytest.approx(per_gpu, rel=0.1)  # the mean GPU, at every T
+        assert sum(activations) / T <= 1.05 * per_gpu  # the mean GPU, at every T
         assert max(activations) < 1.4 * per_gpu
         assert c.peak_bytes < 25 * GB and not table2[(T, "model_parallel")].oom
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "Not reproduced by the cost model (see the closing report of issue 9): full model parallelism of "
-    "the 1.7 TB model fits 80 GB at every T (TorchRec's planner shards every table table-row-wise, "
-    "about 3.7 GB of lookup activations per GPU whatever T; peak 15-17 GB), and 2-D's scaling factor "
-    "is 0.80 / 0.78 at 2048 / 4096 GPUs with K = 25 (hot tables whole on one GPU once a sharding "
-    "group has one member per node, and the replica sync of the fullest GPU's 48 GB table)."))
-def test_table2_literal_shape(table2):
-    for T in GPUS:
-        mp, dd = table2[(T, "model_parallel")], table2[(T, "2d")]
-        assert mp.oom == (T > 1024)
-        assert dd.scaling_factor is not None and dd.scaling_factor >= 0.85
+    "the 1.7 TB model fits 80 GB at every T (TorchRec's planner shards most tables table-row-wise, "
+    "under 3.7 GB of lookup activations per GPU on average whatever T; peak 17-27 GB)."))
+def test_table2_model_parallel_runs_out_of_memory_beyond_1024(table2):
+    assert [table2[(T, "model_parallel")].oom for T in GPUS] == [T > 1024 for T in GPUS]
 
 
 def test_simulate_cli_json_and_errors(capsys):

@@ -102,6 +102,11 @@ H100_SXM = GpuProfile(
 
 PROFILES: dict[str, GpuProfile] = {H100_SXM.name: H100_SXM}
 
+# The narrowest column shard the planner offers, as bytes of one fp32 row: one 128-byte L1 cache
+# line (SOURCES["column_shard_width"]), 32 columns. Policy anchored to a hardware figure, like
+# TorchRec's own MIN_CW_DIM = 128 default.
+MIN_COLUMN_SHARD_BYTES = 128
+
 SOURCES: dict[str, Source] = {
     "hbm_bytes": Source(
         "https://www.nvidia.com/en-us/data-center/h100/",
@@ -165,6 +170,11 @@ SOURCES: dict[str, Source] = {
         "Per-shard lookup time (fwd/bwd compute from bytes / HBM bandwidth, TorchRec's own coefficients), "
         "per-shard communication time (bytes / the bandwidth recgrid supplies), per-shard memory "
         "(weights, row-wise AdaGrad state, lookup input and output) are TorchRec's estimates."),
+    "column_shard_width": Source(
+        "https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/index.html#coalesced-access-to-global-memory",
+        "CUDA C++ Best Practices Guide, coalesced access to global memory: a warp's loads are served in "
+        "32-byte sectors of 128-byte cache lines. A column shard of 32 fp32 columns reads one whole line "
+        "per looked-up row; narrower ones split lines across shards."),
     "replica_sync": Source(
         "Zhang et al., Two-dimensional Sparse Parallelism for Large Scale Deep Learning Recommendation "
         "Model Training, arXiv:2508.03854, Eq. 1",

@@ -6,16 +6,17 @@ How a candidate (M, K) is priced:
 1. One sharding group of L = T / M workers is planned with TorchRec's own pieces: its
    `EmbeddingEnumerator` (with TorchRec's perf and storage estimators) lists every table's
    sharding options with per-shard lookup time, communication time and memory (options that cut
-   a table into the same shards kept once; row-wise offered only where it is needed, see ROW_WISE);
-   TorchRec's
-   proposers (greedy by critical path, greedy by total work, uniform) propose plans; its
+   a table into the same shards kept once; row-wise offered only where it is needed, see ROW_WISE;
+   column-wise also in 2 and 4 narrower shards for the tables above one worker's share, see
+   `_narrow_column_widths`); TorchRec's proposers (greedy by critical path, greedy by total work, uniform) propose plans; its
    `GreedyPerfPartitioner` places them on L devices under the memory left after the dense part.
    A short descent then moves the heaviest tables of the slowest (or fullest) worker to another
    sharding type while that helps. Plans are rated by the slowest worker's lookup + the slowest
    worker's all-to-all + the replica sync they imply (the largest shard's bytes / K), so a 2-D
    plan keeps its shards small. Every sharding group replays the same plan, so one is enough.
-   On the CTR model this search matches TorchRec's full `EmbeddingShardingPlanner` on its own
-   rating (max per-worker perf) at L = 32 and L = 256, in about 1/15 to 1/60 of its time.
+   On the CTR model, with TorchRec's default options (before the narrower column shards were
+   offered), this search matched TorchRec's full `EmbeddingShardingPlanner` on its own rating
+   (max per-worker perf) at L = 32 and L = 256, in about 1/15 to 1/60 of its time.
 2. recgrid adds what 2-D adds: the all-to-all bandwidth and per-peer latency for a group of L
    spread over nodes as the grid layout puts it (cost.py), the replica sync (paper Eq. 1, a ring
    all-reduce of each worker's shard bytes over its M-worker replica group, every K steps, over
@@ -40,10 +41,10 @@ import sys
 import time
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
 
-from recgrid.plan.constants import GB, PROFILES
+from recgrid.plan.constants import GB, MIN_COLUMN_SHARD_BYTES, PROFILES
 from recgrid.plan.cost import CpuCost, GpuCost
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TablesError, resolve_model
 
@@ -308,6 +309,9 @@ def _search_space(model: ModelTables, L: int, per_node: int, batch: int, cost, r
     options: dict[str, list] = {}
     for so in enumerator.enumerate(ebc, [sharder]):
         options.setdefault(so.name, []).append(so)
+    if "column_wise" in sharding_types:
+        for width, names in _narrow_column_widths(model, L).items():
+            _add_options(options, model, names, width, topology, batch, sharder)
     for name, opts in options.items():
         options[name] = _distinct(opts)
     reserved = FixedAbsoluteStorageReservation(int(min(reserve_bytes, cost.capacity))).reserve(
@@ -322,15 +326,66 @@ def _search_space(model: ModelTables, L: int, per_node: int, batch: int, cost, r
 
 def _row_wise_tables(model: ModelTables, L: int, per_node: int, one_gpu: float) -> set[str]:
     """The tables row-wise is offered to (see ROW_WISE): larger than one GPU, or, with one member
-    of the sharding group per node, above a worker's share (1/L) of the model's bytes (weights and
-    row-wise AdaGrad state) or of its lookup work (ids x dim per sample)."""
-    state = {t.name: t.bytes * (1 + 1 / t.dim) for t in model.tables}
-    out = {name for name, b in state.items() if b > one_gpu}
-    if per_node == 1 and L > 1:
-        work = {t.name: t.pooling * t.dim for t in model.tables}
-        total_state, total_work = sum(state.values()), sum(work.values())
-        out |= {t.name for t in model.tables if state[t.name] > total_state / L or work[t.name] > total_work / L}
+    of the sharding group per node, above a worker's share of the bytes or the lookup work."""
+    out = {t.name for t in model.tables if _state_bytes(t) > one_gpu}
+    if per_node == 1:
+        out |= _above_share(model, L)
     return out
+
+
+def _state_bytes(t) -> float:
+    return t.bytes * (1 + 1 / t.dim)  # weights and row-wise AdaGrad state
+
+
+def _above_share(model: ModelTables, L: int) -> set[str]:
+    """The tables above one worker's share (1/L) of the model's bytes (weights and row-wise AdaGrad
+    state) or of its lookup work (ids x dim per sample): whole on one worker, they make it the
+    fullest or the slowest of its sharding group. None when L = 1."""
+    if L <= 1:
+        return set()
+    state = {t.name: _state_bytes(t) for t in model.tables}
+    work = {t.name: t.pooling * t.dim for t in model.tables}
+    total_state, total_work = sum(state.values()), sum(work.values())
+    return {t.name for t in model.tables if state[t.name] > total_state / L or work[t.name] > total_work / L}
+
+
+def _narrow_column_widths(model: ModelTables, L: int) -> dict[int, list[str]]:
+    """Column-shard widths offered beyond TorchRec's default (one 128-column shard, i.e. the whole
+    table at dim <= 128): for each table above one worker's share, every halving of its dim down to
+    MIN_COLUMN_SHARD_BYTES of fp32 per row (dim 128: 64 and 32 columns, two or four shards), so
+    TorchRec's partitioner can spread a hot or large table over several workers without row-wise's
+    B x L reduce-scatter; TorchRec's estimators price each width (every column shard reads all the
+    table's ids). By width: the tables it is offered to."""
+    floor = max(4, MIN_COLUMN_SHARD_BYTES // BYTES_PER_WEIGHT)  # TBE needs dims that are multiples of 4
+    out: dict[int, list[str]] = {}
+    above = _above_share(model, L)
+    for t in model.tables:
+        if t.name not in above:
+            continue
+        width = t.dim // 2
+        while width >= floor and t.dim % width == 0 and width % 4 == 0:
+            out.setdefault(width, []).append(t.name)
+            width //= 2
+    return out
+
+
+def _add_options(options: dict[str, list], model: ModelTables, names: list[str], width: int, topology, batch: int,
+                 sharder) -> None:
+    """TorchRec's column-wise options for `names` at shard width `width` (its `min_partition`):
+    one more enumeration, of those tables alone."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    wanted = set(names)
+    sub = replace(model, tables=tuple(t for t in model.tables if t.name in wanted))
+    constraints = {t.name: ParameterConstraints(sharding_types=["column_wise"],
+                                                compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+                                                pooling_factors=[t.pooling], min_partition=width)
+                   for t in sub.tables}
+    enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch, constraints=constraints)
+    for so in enumerator.enumerate(_meta_module(sub), [sharder]):
+        options[so.name].append(so)
 
 
 def _capacity(storage, cost) -> float:
