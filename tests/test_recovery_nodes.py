@@ -70,7 +70,9 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
                     "train.resize_check_s=3", "train.max_steps=100000", "train.max_failures=2")
     job = BackgroundJob(cfg)
     _, lost = _lose_a_node(cluster, job, 12, replace=False)
-    st = job.wait_for(lambda s: training(s, 1, 0))
+    # attempt 1 restored and trained a step (its recovery event is complete) before the node returns:
+    # the global last step is still attempt 0's, so `training` alone would not wait for the restore
+    st = job.wait_for(lambda s: training(s, 1, 0) and any("seconds" in e for e in s["events"]))
     assert st["attempts"][1]["world_size"] == 2  # on what is left: one sharding group
     cluster["nodes"].append(cluster["cluster"].add_node(num_cpus=1))
     st = job.wait_for(lambda s: training(s, 2, 0), timeout=180)
