@@ -4,19 +4,19 @@ memory per GPU and the QPS of 2-D sparse parallelism, then recommend M and K and
 How a candidate (M, K) is priced:
 
 1. One sharding group of L = T / M workers is planned with TorchRec's own pieces: its
-   `EmbeddingEnumerator` (with TorchRec's perf and storage estimators) lists every table's
-   sharding options with per-shard lookup time, communication time and memory (options that cut
-   a table into the same shards kept once; row-wise offered only where it is needed, see ROW_WISE;
-   column-wise also in 2 and 4 narrower shards for the tables above one worker's share, see
-   `_narrow_column_widths`); TorchRec's proposers (greedy by critical path, greedy by total work, uniform) propose plans; its
-   `GreedyPerfPartitioner` places them on L devices under the memory left after the dense part.
-   A short descent then moves the heaviest tables of the slowest (or fullest) worker to another
+   `EmbeddingEnumerator` (with TorchRec's perf and storage estimators) lists every table's sharding
+   options with per-shard lookup time, communication time and memory (options that cut a table into
+   the same shards kept once; row-wise offered only where it is needed, see ROW_WISE; column-wise
+   also in narrower shards for the tables above one worker's share, see `_narrow_column_widths`);
+   TorchRec's proposers (greedy by critical path, greedy by total work, uniform) propose plans; its
+   `GreedyPerfPartitioner` places them on L devices under the memory left after the dense part. A
+   short descent then moves the heaviest tables of the slowest (or fullest) worker to another
    sharding type while that helps. Plans are rated by the slowest worker's lookup + the slowest
-   worker's all-to-all + the replica sync they imply (the largest shard's bytes / K), so a 2-D
-   plan keeps its shards small. Every sharding group replays the same plan, so one is enough.
-   On the CTR model, with TorchRec's default options (before the narrower column shards were
-   offered), this search matched TorchRec's full `EmbeddingShardingPlanner` on its own rating
-   (max per-worker perf) at L = 32 and L = 256, in about 1/15 to 1/60 of its time.
+   worker's all-to-all + the replica sync they imply (the largest shard's bytes / K), so a 2-D plan
+   keeps its shards small. Every sharding group replays the same plan, so one is enough. On the CTR
+   model, with TorchRec's default options (before the narrower column shards were offered), this
+   search matched TorchRec's full `EmbeddingShardingPlanner` on its own rating (max per-worker
+   perf) at L = 32 and L = 256, in about 1/15 to 1/60 of its time.
 2. recgrid adds what 2-D adds: the all-to-all bandwidth and per-peer latency for a group of L
    spread over nodes as the grid layout puts it (cost.py), the replica sync (paper Eq. 1, a ring
    all-reduce of each worker's shard bytes over its M-worker replica group, every K steps, over
@@ -46,7 +46,7 @@ from typing import Iterator, Sequence
 
 from recgrid.plan.constants import GB, MIN_COLUMN_SHARD_BYTES, PROFILES
 from recgrid.plan.cost import CpuCost, GpuCost
-from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TablesError, resolve_model
+from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec, TablesError, resolve_model
 
 # Sharding types the planner considers for every table: table-wise, column-wise and
 # table-row-wise (TorchRec's choice for large tables on multi-node groups).
@@ -333,7 +333,7 @@ def _row_wise_tables(model: ModelTables, L: int, per_node: int, one_gpu: float) 
     return out
 
 
-def _state_bytes(t) -> float:
+def _state_bytes(t: TableSpec) -> float:
     return t.bytes * (1 + 1 / t.dim)  # weights and row-wise AdaGrad state
 
 
