@@ -361,28 +361,19 @@ def _candidates(profile, step_time: dict) -> list:
             for m in step_time["m_sweep"]]
 
 
-def _profile(raw: dict):
-    """A CpuProfile from its JSON form (group sizes as keys are strings there)."""
-    from recgrid.plan.constants import CpuProfile
-
-    kw = {k: v for k, v in raw.items() if k in CpuProfile.__dataclass_fields__ and k != "measured"}
-    for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
-        kw[k] = {int(n): float(v) for n, v in kw[k].items()}
-    return CpuProfile(**kw)
-
-
 def run_latencies(profile: dict, runs: dict) -> dict:
     """Collective latencies under training load from step-time runs (see the module docstring):
     each run's measured median step (a step without a replica sync) minus what the model
     predicts for it with zero latencies is what its collectives' latencies add."""
     from dataclasses import replace
 
+    from recgrid.plan.constants import CpuProfile
     from recgrid.plan.planner import A2A_PER_SHARDING_TYPE
 
     T = runs["configuration"]["world_size"]
     if runs["configuration"]["world_size"] != profile["world_size"]:
         raise SystemExit(f"calibration runs at T={T}, microbenchmarks at T={profile['world_size']}: use the same T")
-    base = _profile(profile)
+    base = CpuProfile.from_dict(profile)
     zero = replace(base, a2a_latency={n: 0.0 for n in base.a2a_latency},
                    allreduce_latency={n: 0.0 for n in base.allreduce_latency})
     residual, types = {}, {}
@@ -402,9 +393,11 @@ def run_latencies(profile: dict, runs: dict) -> dict:
 
 def predict(raw_profile: dict, step_time: dict) -> dict:
     """The cost model's step time under `raw_profile` (its JSON form) against each measured run."""
+    from recgrid.plan.constants import CpuProfile
+
     cfg = step_time["configuration"]
     T = cfg["world_size"]
-    profile = _profile(raw_profile)
+    profile = CpuProfile.from_dict(raw_profile)
     rows = []
     for m, c in zip(step_time["m_sweep"], _candidates(profile, step_time)):
         # the measured median step is a step without a sync when K > 1 (K - 1 of K steps have none)

@@ -190,7 +190,7 @@ def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):
             assert len({s["digest"] for s in shards if s["shard"] == j}) == 1
         assert e["replicas_identical_after_sync"] is True
     # the holders' shared-memory slot files went with the job
-    assert not os.path.exists(os.path.join(recovery.SHM_BASE, f"recgrid-snapshots-{c['result'].run_id}"))
+    assert not os.path.exists(recovery._job_dir(c["result"].run_id))
 
 
 def test_chaos_trains_every_row_once_but_the_rolled_back_steps(chaos):

@@ -230,7 +230,11 @@ class CpuProfile:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no CPU calibration; run `.venv/bin/python bench/calibrate_cpu.py` first")
-        raw = json.loads(path.read_text())["profile"]
+        return cls.from_dict(json.loads(path.read_text())["profile"])
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "CpuProfile":
+        """A profile from its JSON form (rank counts as keys are strings there)."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in raw.items() if k in known}
         for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
