@@ -64,7 +64,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
                   parent_run_id=parent_run_id)
     tracker.log_stack_versions()
     say(f"MLflow run {tracker.run_id} ({config.run_name}) in experiment {config.tracking.experiment!r} "
-        f"at {tracker.tracking_uri}")
+        f"at {tracker.display_uri}")
     status: dict[str, Any] = {}
     try:
         ensure_data(config)
