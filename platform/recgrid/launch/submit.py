@@ -209,11 +209,11 @@ def describe(project: Path, files: list[str]) -> str:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n} GB"
+    return f"{n:.1f} GB"
 
 
 def stage(project: Path, files: list[str]) -> Path:
