@@ -154,3 +154,17 @@ def test_readme_config_table_is_the_generated_one() -> None:
     assert begin in readme and end in readme
     assert readme[readme.index(begin) + len(begin):readme.index(end)] == reference_table(), \
         "README's config table is stale: paste the output of `python -m recgrid.config`"
+
+
+@pytest.mark.parametrize("sharding", ["table_row_wise", "grid_shard"])
+def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, sharding) -> None:
+    # T=4, M=2, L=2, elastic down to 2: an attempt may get 3 workers and sideline one
+    base = ["data.train=data/train-0.tsv", "grid.world_size=4", "grid.num_groups=2", f"model.sharding={sharding}"]
+    with pytest.raises(ConfigError, match=r"^model\.sharding: .*elastic.*sidelines ranks"):
+        load_config(None, base + ["grid.min_world_size=2"])
+    fixed = load_config(None, base)  # a fixed size never sidelines a rank
+    assert not fixed.sidelines_ranks
+    every_count_whole = load_config(None, base[:2] + ["grid.num_groups=4", f"model.sharding={sharding}",
+                                                      "grid.min_world_size=2"])  # L = 1
+    assert not every_count_whole.sidelines_ranks
+    assert load_config(None, base[:3] + ["grid.min_world_size=2"]).sidelines_ranks  # auto: planned without them

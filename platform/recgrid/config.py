@@ -34,7 +34,7 @@ from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
 from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
-from recgrid.engine.sharding import SHARDINGS
+from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
 
@@ -240,6 +240,13 @@ class JobConfig:
                 raise ConfigError(
                     f"grid.min_world_size: must be a multiple of L = T / M = {L} between {L} and T={g.world_size} "
                     f"(whole sharding groups), got {g.min_world_size}")
+        if self.sidelines_ranks and self.model.sharding in WHOLE_WORLD_TYPES:
+            raise ConfigError(
+                f"model.sharding: {self.model.sharding} cannot run in an elastic job (grid.min_world_size="
+                f"{g.min_world_size} < T={g.world_size} with L > 1): an attempt whose worker count is not a multiple "
+                f"of L sidelines ranks, and TorchRec builds this type's process groups over every rank with a "
+                f"barrier the sidelined ones never enter, so the attempt hangs; use row_wise or auto (which leaves "
+                f"{' and '.join(WHOLE_WORLD_TYPES)} out for elastic jobs), or a fixed size")
         try:
             self.build_grid()
         except GridError as e:
@@ -356,6 +363,13 @@ class JobConfig:
                                   f"leave it unset, or use train.fault_tolerance=restart")
 
     # ---- derived values -------------------------------------------------------------------------
+    @property
+    def sidelines_ranks(self) -> bool:
+        """Whether an attempt may get a worker count that is not a multiple of L and sideline the
+        workers past its last whole sharding group: an elastic job (grid.min_world_size < T) with L > 1."""
+        g = self.grid
+        return g.min_world_size is not None and g.min_world_size < g.world_size and g.num_groups < g.world_size
+
     def build_grid(self) -> Grid:
         """The `recgrid.grid.Grid` of this job (also reachable as `cfg.grid()`)."""
         return self.grid()

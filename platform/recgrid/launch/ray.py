@@ -161,7 +161,26 @@ def job_plan(config: JobConfig) -> Any:
         return tower_plan(engine.spec, engine.model, engine.towers, grid, device_type_for(config.train.use_gpu))
     model = build_model(engine.spec, engine.model, seed=engine.seed)
     return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
-                     engine.sharding)
+                     engine.sharding, hbm_cap=worker_gpu_memory() if config.train.use_gpu else None,
+                     may_sideline=config.sidelines_ranks)
+
+
+def worker_gpu_memory(timeout_s: float = 120.0) -> int:
+    """Bytes of memory of one of the cluster's GPUs (the planner's `hbm_cap`): this process's own
+    GPU, or, on a driver without one (a KubeRay head), read by a one-GPU Ray task."""
+    import ray
+
+    from recgrid.engine.device import device_memory_bytes, use_gpu_default
+
+    if use_gpu_default():
+        return device_memory_bytes()
+    task = ray.remote(num_gpus=1)(device_memory_bytes).remote()
+    ready, _ = ray.wait([task], timeout=timeout_s)
+    if not ready:
+        ray.cancel(task, force=True)
+        raise RuntimeError(f"train.use_gpu is set but no GPU of the Ray cluster ran a task within {timeout_s:.0f}s "
+                           f"to read its memory for the sharding planner; check that the cluster has GPU nodes")
+    return int(ray.get(task))
 
 
 def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[str, Any]:
