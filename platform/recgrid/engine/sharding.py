@@ -273,3 +273,21 @@ def _column_shard_dim(dim: int, group_size: int) -> int | None:
     """
     width = dim // group_size
     return width if dim % group_size == 0 and width >= 4 else None
+
+
+def watch_forwards(model: "torch.nn.Module") -> list[str]:
+    """Record how each sharded embedding module of `model` runs, one entry per call: "pipelined"
+    when TorchRec's train pipeline has swapped its forward for one of its pipelined forwards (the
+    input all-to-all started a step ahead), "plain" otherwise. The pipeline falls back to plain
+    forwards silently when it cannot rewrite a model; this is how a check sees that it did not."""
+    from torchrec.distributed.types import ShardedModule
+
+    calls: list[str] = []
+
+    def record(module: "torch.nn.Module", args: Any) -> None:
+        calls.append("pipelined" if type(module.forward).__name__.endswith("PipelinedForward") else "plain")
+
+    for m in model.modules():
+        if isinstance(m, ShardedModule):
+            m.register_forward_pre_hook(record)
+    return calls
