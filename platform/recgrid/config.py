@@ -82,9 +82,9 @@ class ModelConfig:
     dcn_low_rank_dim: int = 16
     """Rank of the low-rank cross layers (arch "dcn" only)."""
     sharding: Literal[SHARDINGS] = "auto"
-    """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table."""
+    """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table. Elastic jobs with L > 1 cannot use table_row_wise or grid_shard (auto leaves them out)."""
     embedding_dtype: Literal[EMBEDDING_DTYPES] = "fp32"
-    """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory and replica-sync bytes. GPU workers only."""
+    """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory (the replica sync averages them in fp32, so its bytes stay fp32's). GPU workers only."""
     towers: str | None = None
     """Disaggregated Multi-Tower: N towers per sharding group, as a count (feature f in tower f % N) or a partition file written by `recgrid towers`. A tower is L / N workers of a sharding group on one host (or whole hosts) holding its features' tables (single-hot column-wise, multi-hot row-wise); embeddings return by SPTT: an intra-tower all-to-all, then one among the N peers across hosts. null = TorchRec's flat exchange (model.sharding applies). Storage checkpoints are not supported yet."""
     tower_module: Literal[TOWER_MODULES] = "none"
