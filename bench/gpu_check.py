@@ -354,6 +354,7 @@ def check_eval_bf16_vs_fp32(a: argparse.Namespace, T: int) -> dict:
     return {"status": "pass" if ok else "fail",
             "ne": {k: r[k].get("eval/ne") for k in ("recgrid", "fp32", "bf16")},
             "auc": {k: r[k].get("eval/auc") for k in ("recgrid", "fp32", "bf16")},
+            "auc_max_error": {k: r[k].get("eval/auc_max_error") for k in ("recgrid", "fp32", "bf16")},
             "distinct_predictions": {k: r[k]["distinct_predictions"] for k in ("fp32", "bf16")}}
 
 
@@ -437,7 +438,8 @@ def check_training_qps(a: argparse.Namespace, T: int) -> dict:
             try:
                 ranks = nccl_run(qps_probe, T, loop, precision, a.batch_per_gpu, a.qps_steps, a.rows_cap, M)
                 seconds = max(r["seconds"] for r in ranks)
-                rows.append({"loop": loop, "precision": precision, "M": M, "qps": round(ranks[0]["examples"] / seconds, 1),
+                rows.append({"loop": loop, "precision": precision, "M": M,
+                             "qps": round(ranks[0]["examples"] / seconds, 1),
                              "step_seconds": round(seconds / a.qps_steps, 6)})
             except Exception as e:  # noqa: BLE001 - the other loops still run
                 rows.append({"loop": loop, "precision": precision, "error": f"{type(e).__name__}: {e}"[-2000:]})
