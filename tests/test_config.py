@@ -43,7 +43,7 @@ def test_defaults_load(data_dir) -> None:
     assert cfg.train.cpus_per_worker == 0.5 and cfg.optim.moment_scale is None
     # nulls resolve from the spec and the grid
     assert cfg.embedding_dim == 16 and cfg.dense_arch == [64, 16] and cfg.moment_scale == 1.0
-    assert cfg.run_name == "T4-M1-K1"
+    assert cfg.run_name == "T4-M1"  # K does not apply without replica groups
     assert cfg.build_grid() == cfg.grid() == Grid(4, 1, "host-local")
     assert load_config(None, ["data.train=data/train-0.tsv"]).to_dict() == load_config(
         _yaml(data_dir, "data: {train: [data/train-0.tsv]}")).to_dict()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import glob
 import inspect
 import os
@@ -27,7 +28,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
 from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
@@ -420,9 +421,10 @@ class JobConfig:
 
     @property
     def run_name(self) -> str:
-        """`tracking.run_name`, or "T<T>-M<M>-K<K>"."""
+        """`tracking.run_name`, or "T<T>-M<M>-K<K>" ("T<T>-M1" when M = 1: no replica groups, K does not apply)."""
         g = self.grid
-        return self.tracking.run_name or f"T{g.world_size}-M{g.num_groups}-K{g.sync_every}"
+        k = f"-K{g.sync_every}" if g.num_groups > 1 else ""
+        return self.tracking.run_name or f"T{g.world_size}-M{g.num_groups}{k}"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config as written (nulls kept), nested: `{"grid": {"world_size": 4, ...}, ...}`."""
@@ -483,10 +485,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(f"--set {item}: expected SECTION.FIELD=VALUE, e.g. grid.num_groups=2")
         section, dot, name = key.partition(".")
         if section not in SECTIONS:
-            raise ConfigError(f"{key}: unknown section in --set; valid sections: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{key}: unknown section in --set{_did_you_mean(section, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
         valid = _field_names(SECTIONS[section])
         if not dot or name not in valid:
-            raise ConfigError(f"{key}: unknown key in --set; valid keys in {section}: {', '.join(valid)}")
+            raise ConfigError(f"{key}: unknown key in --set{_did_you_mean(name, valid, section + '.')}; "
+                              f"valid keys in {section}: {', '.join(valid)}")
         raw.setdefault(section, None)
         raw[section] = {**(raw[section] or {}), name: _parse_scalar(text)}
     return JobConfig.from_dict(raw, source=source, check_paths=check_paths)
@@ -497,13 +501,21 @@ def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
     where = f" in {source}" if source else ""
     for name, values in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{name}: unknown section{where}; valid sections: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{name}: unknown section{where}{_did_you_mean(name, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
         if values is not None and not isinstance(values, Mapping):
             raise ConfigError(f"{name}: must be a mapping of fields{where}, got {values!r}")
         valid = _field_names(SECTIONS[name])
         for key in values or {}:
             if key not in valid:
-                raise ConfigError(f"{name}.{key}: unknown key{where}; valid keys in {name}: {', '.join(valid)}")
+                raise ConfigError(f"{name}.{key}: unknown key{where}{_did_you_mean(str(key), valid, name + '.')}; "
+                                  f"valid keys in {name}: {', '.join(valid)}")
+
+
+def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean grid.num_groups?)' for the closest valid name, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _parse_scalar(text: str) -> Any:
@@ -537,19 +549,25 @@ def field_docs() -> dict[str, str]:
 def reference_table() -> str:
     """The README's job config reference, as Markdown: every field's key, default and docstring
     (the README holds exactly this between its config-table markers; a test checks it)."""
-    docs = field_docs()
+    docs, defaults = field_docs(), field_defaults()
     lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default in defaults.items():
+        if docs[key].startswith("Required."):
+            default = "(required)"
+        lines.append(f"| `{key}` | `{default}` | {docs[key]} |")
+    return "\n".join(lines)
+
+
+def field_defaults() -> dict[str, Any]:
+    """`{"grid.world_size": 4, ...}`: every field's default, in section and field order."""
+    out: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
-                default = f.default
+                out[f"{section}.{f.name}"] = f.default
             elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
-            doc = docs[f"{section}.{f.name}"]
-            if doc.startswith("Required."):
-                default = "(required)"
-            lines.append(f"| `{section}.{f.name}` | `{default}` | {docs[f'{section}.{f.name}']} |")
-    return "\n".join(lines)
+                out[f"{section}.{f.name}"] = f.default_factory()  # type: ignore[misc]
+    return out
 
 
 # ---- field checks -------------------------------------------------------------------------------
