@@ -110,12 +110,18 @@ def test_missing_glob_is_fine_when_synthesising(data_dir) -> None:
 
 def test_yaml_errors_name_the_file_and_key(data_dir) -> None:
     path = _yaml(data_dir, "data: {train: data/train-*.tsv}\nmodel:\n  arch: dcn\n  embeding_dim: 8\n")
-    with pytest.raises(ConfigError, match=rf"^model\.embeding_dim: unknown key in {path}; valid keys in model: arch, embedding_dim"):
+    with pytest.raises(ConfigError, match=rf"^model\.embeding_dim: unknown key in {path} \(did you mean "
+                                          rf"model\.embedding_dim\?\); valid keys in model: arch, embedding_dim"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"^trainer: unknown section in .*job\.yaml; valid sections: grid, model"):
+    with pytest.raises(ConfigError, match=r"^trainer: unknown section in .*job\.yaml \(did you mean train\?\); "
+                                          r"valid sections: grid, model"):
         load_config(_yaml(data_dir, "trainer: {max_steps: 3}\n"))
     with pytest.raises(ConfigError, match=r"^data\.train: required"):
         load_config(_yaml(data_dir, "grid: {world_size: 2}\n"))
+    with pytest.raises(ConfigError, match=r"^grid\.num_group: unknown key in --set \(did you mean grid\.num_groups\?\)"):
+        load_config(None, ["grid.num_group=2"])
+    with pytest.raises(ConfigError, match=r"^zzz\.x: unknown section in --set; valid"):  # nothing close: no guess
+        load_config(None, ["zzz.x=1"])
     with pytest.raises(ConfigError, match=r"^grid: must be a mapping of fields in .*job\.yaml"):
         load_config(_yaml(data_dir, "grid: 4\n"))
     with pytest.raises(ConfigError, match=r"does not exist"):
