@@ -133,8 +133,10 @@ def connect_ray(config: JobConfig) -> None:
     # the workers' share, plus room for the driver-side actors and tasks
     num_cpus = max(os.cpu_count() or 1, math.ceil(T * per_worker + 1))
     num_gpus = None if config.train.use_gpu else 0
+    # the one node offers the workers' custom resources (train.resources_per_worker) too
+    resources = {name: T * amount for name, amount in config.train.resources_per_worker.items()}
     # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True,
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, log_to_driver=True,
              runtime_env={"env_vars": env_vars}, logging_level="WARNING")
     say(f"started a local Ray cluster: {num_cpus} logical CPUs for T={T} workers x {per_worker} CPU")
 
@@ -209,7 +211,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=t.use_gpu,
-            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})},
+            resources_per_worker={"CPU": t.cpus_per_worker, **t.resources_per_worker, **({"GPU": 1} if t.use_gpu else {})},
             # packed workers fill a node before the next; with M dividing the workers per node (or a
             # multiple of them) each replica group of the host-local layout then sits on one node (or
             # on whole nodes of its own; the workers check it)
