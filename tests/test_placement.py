@@ -30,6 +30,27 @@ def cluster():
     c.shutdown()
 
 
+def test_node_slots_count_the_workers_each_alive_node_can_hold():
+    from recgrid.train.placement import node_slots, rank_records
+
+    nodes = [
+        {"NodeID": "a" * 56, "Alive": True, "NodeManagerAddress": "10.0.0.1",
+         "Resources": {"CPU": 2.0, "memory": 1e9, "node:10.0.0.1": 1.0, "trainer_node": 1.0}},
+        {"NodeID": "b" * 56, "Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8.0}},
+        {"NodeID": "c" * 56, "Alive": False, "NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 8.0}},
+    ]
+    assert node_slots(nodes, {"CPU": 0.5}) == {"aaaaaaaaaaaa at 10.0.0.1 (CPU 2, trainer_node 1)": 4,
+                                               "bbbbbbbbbbbb at 10.0.0.2 (CPU 8)": 16}
+    # a custom resource only one node offers confines the workers there
+    assert list(node_slots(nodes, {"CPU": 0.5, "trainer_node": 0.25}).values()) == [4, 0]
+    assert list(node_slots(nodes, {"CPU": 0.3}).values()) == [6, 26]
+    attempts = [{"world_size": 2, "workers": {1: {"pid": 11, "node": "n1"}, 0: {"pid": 10, "node": "n0"}}},
+                {"world_size": 2, "workers": {0: {"pid": 20, "node": "n0"}}}]
+    assert rank_records(attempts) == [{"attempt": 0, "rank": 0, "node": "n0", "pid": 10},
+                                      {"attempt": 0, "rank": 1, "node": "n1", "pid": 11},
+                                      {"attempt": 1, "rank": 0, "node": "n0", "pid": 20}]
+
+
 def _ranks(cfg, run_id: str) -> list[dict]:
     path = mlflow_client(cfg).download_artifacts(run_id, "grid/ranks.json")
     with open(path) as f:
@@ -79,7 +100,7 @@ def test_host_local_on_packed_nodes_puts_each_replica_group_on_one_node(cluster,
 def test_inter_host_places_sharding_groups_apart_and_survives_losing_a_node(cluster, tmp_path):
     # the scenario: 0.5 CPU per worker, so one node could hold all four workers
     cfg = small_job(tmp_path, "test-placement-inter-host", "grid.layout=inter-host", "train.cpus_per_worker=0.5",
-                    "train.max_steps=40", "train.max_failures=2")
+                    "train.max_steps=40", "train.max_failures=3")
     job = BackgroundJob(cfg)
     st = job.wait_for(lambda s: training(s, 0, 7), timeout=600)
     first = {int(rank): w for rank, w in st["attempts"][0]["workers"].items()}
@@ -96,13 +117,16 @@ def test_inter_host_places_sharding_groups_apart_and_survives_losing_a_node(clus
     cluster["cluster"].remove_node(cluster["node"])
     r = job.join()
     assert r.status == "FINISHED", r.error
-    assert len(r.attempts) == 2 and r.attempts[1]["world_size"] == 4
-    assert {w["node"] for w in r.attempts[1]["workers"].values()} == {cluster["head_id"]}  # one node: nothing to spread
-    (e,) = r.events
+    # (a loaded machine may fail a later attempt's worker health check too: each such restart
+    # restores from memory as well, so only the node loss's restore is asserted)
+    assert len(r.attempts) >= 2 and all(a["world_size"] == 4 for a in r.attempts)
+    for a in r.attempts[1:]:  # one node left: nothing to spread
+        assert {w["node"] for w in a["workers"].values()} == {cluster["head_id"]}
+    e = r.events[0]
     assert e["source"] == "peer" and lost in e["lost_nodes"]  # the other sharding group's copies
     assert all(s["digest"] == s["source_digest"] for s in e["shards"])
     ranks = _ranks(cfg, r.run_id)  # every attempt so far, rewritten as each started
-    assert sorted((x["attempt"], x["rank"]) for x in ranks) == [(a, k) for a in (0, 1) for k in range(4)]
+    assert sorted((x["attempt"], x["rank"]) for x in ranks) == [(a, k) for a in range(len(r.attempts)) for k in range(4)]
     assert {x["pid"] for x in ranks if x["attempt"] == 0} == {w["pid"] for w in first.values()}
     assert {(x["rank"], x["node"]) for x in ranks if x["attempt"] == 0} == {(k, w["node"]) for k, w in first.items()}
     assert client.get_run(r.run_id).data.params["grid.nodes"] == "2"  # the first attempt's
