@@ -266,10 +266,11 @@ def _arrays(payload: Any) -> list[np.ndarray]:
 class RecoveryCoordinatorImpl:
     """The job's recovery bookkeeping (one actor, owned by the driver)."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, tracking_uri: str | None = None) -> None:
         import threading
 
         self.run_id = run_id
+        self.tracking_uri = tracking_uri  # where grid/ranks.json goes
         self._lock = threading.Lock()
         self.holders: dict[str, Any] = {}
         self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node)
@@ -358,7 +359,16 @@ class RecoveryCoordinatorImpl:
         return len(self.attempts) - 1
 
     def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
-        self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
+        """A worker of `attempt` started; once all have, the run's grid/ranks.json is rewritten."""
+        from recgrid.train.placement import record_ranks
+
+        workers = self.attempts[attempt]["workers"]
+        workers[rank] = {"pid": pid, "node": node_id}
+        if len(workers) == self.attempts[attempt]["world_size"]:
+            try:
+                record_ranks(self.run_id, self.tracking_uri, self.attempts)
+            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
+                print(f"recgrid: could not record {len(workers)} ranks of attempt {attempt} in the run: {e}", flush=True)
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""

@@ -162,7 +162,13 @@ def train_worker(cfg: dict) -> None:
 
 def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     """This attempt's grid: as many whole sharding groups of L as the workers allow (at most the
-    job's T), checked against the nodes the workers run on."""
+    job's T), checked against the nodes the workers run on and, for inter-host, the nodes of the
+    cluster that could hold a worker (counted by rank 0 and broadcast, so every rank decides
+    alike: collective over the default process group)."""
+    import torch.distributed as dist
+
+    from recgrid.train.placement import usable_nodes
+
     L = job.group_size
     n = min(job.max_world_size, len(nodes) // L * L)
     if n == 0:
@@ -171,7 +177,9 @@ def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     counts = Counter(nodes[:n])
     per_node = next(iter(counts.values())) if len(set(counts.values())) == 1 else None
     grid = Grid(n, n // L, job.layout, workers_per_node=per_node)  # type: ignore[arg-type]
-    grid.check_placement(nodes[:n])
+    cluster = [usable_nodes() if dist.get_rank() == 0 and job.layout == "inter-host" else 1]
+    dist.broadcast_object_list(cluster, src=0)
+    grid.check_placement(nodes[:n], cluster_nodes=cluster[0])
     return grid
 
 
