@@ -405,6 +405,17 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
     return _iterate(ds, prefetch_blocks, stats)
 
 
+def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
+                  drop_last: bool = True, multi_hot_seed: int = 0,
+                  rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> Iterator["Batch"]:
+    """`ray_batches`' read tasks run here, one after another, without Ray: for offline tools in
+    one process (`recgrid towers`). Training and evaluation read through `ray_batches`."""
+    for task in read_tasks(units, batch_size, drop_last=drop_last, rows_per_task=rows_per_task):
+        (table,) = _read_task(inputs, task, spec)
+        cols = {n: table.column(n).to_numpy() for n in table.column_names}
+        yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed))
+
+
 def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None) -> Iterator["Batch"]:
     blocks = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_blocks)
     try:
@@ -458,8 +469,11 @@ def ordered_context():
     keeps the context it was created under): blocks come out in read-task order
     (`preserve_order`), a read task's output stays one block (a block holds whole batches, so no
     size limit may cut one), no progress bars."""
+    import logging
+
     import ray.data
 
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # no line per stream started and finished
     ctx = ray.data.DataContext.get_current()
     options = copy.deepcopy(ctx.execution_options)
     options.preserve_order = True
