@@ -139,6 +139,8 @@ class TrainConfig:
     """Dense compute precision: "fp32", "tf32" (fp32 tensors, TensorFloat-32 matmuls) or "bf16" (bfloat16 autocast of the forward, TF32 for the rest); null = "tf32" on GPU workers, "fp32" on CPU. tf32 and bf16 need GPU workers."""
     cpus_per_worker: float = 0.5
     """CPUs Ray reserves per worker; fractional so T=4 workers fit a 2-core machine."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each worker asks for beside its CPUs (and GPU), e.g. {trainer: 1} to confine the workers to nodes that offer a custom resource `trainer`; Ray Data's read tasks ask for none of them, so they may run on any node with CPUs."""
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] = "restart"
@@ -303,6 +305,10 @@ class JobConfig:
         _at_least("train.eval_every", t.eval_every, 0)
         _at_least("train.log_every", t.log_every, 1)
         _positive("train.cpus_per_worker", t.cpus_per_worker)
+        for name, amount in t.resources_per_worker.items():
+            if name in ("CPU", "GPU"):
+                raise ConfigError(f"train.resources_per_worker: {name} is set by train.cpus_per_worker and train.use_gpu")
+            _positive(f"train.resources_per_worker.{name}", amount)
         if t.precision in GPU_PRECISIONS and not t.use_gpu:
             raise ConfigError(
                 f"train.precision: {t.precision} needs GPU workers (train.use_gpu: true); CPU workers compute in "
@@ -555,6 +561,11 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if value not in args:
             raise ConfigError(f"{path}: must be one of {list(args)}, got {value!r}")
         return value
+    if origin is dict:
+        key_type, value_type = args
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+        return {_coerce(path, k, key_type): _coerce(f"{path}.{k}", v, value_type) for k, v in value.items()}
     if origin is list:
         (elem,) = args
         if isinstance(value, str) and elem is str:

@@ -209,7 +209,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=t.use_gpu,
-            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})},
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {}), **t.resources_per_worker},
             # packed workers fill a node before the next; with M dividing the workers per node (or a
             # multiple of them) each replica group of the host-local layout then sits on one node (or
             # on whole nodes of its own; the workers check it)
