@@ -54,6 +54,7 @@ _MULTI_HOT_TABLE = 2048  # offset rows per feature (a power of two: x % 2048 is 
 DEFAULT_NUM_CPUS_PER_TASK = 0.25  # read tasks must fit next to the training workers on a small box
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_ROWS_PER_TASK = 32_768  # rows a read task reads and collates: per-task and per-block costs amortised
+_EXPAND_ROWS = 2048  # rows whose multi-hot bags are expanded at once (see collate_block)
 DEFAULT_PREFETCH_BLOCKS = 2  # collated blocks the training process holds ready ahead of the loop
 
 
@@ -154,38 +155,12 @@ def _multi_hot_offsets(
 
 
 @functools.lru_cache(maxsize=8)
-def _multi_hot_layout(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int,
-                      batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Index arrays that expand one batch of `batch` rows in one pass, key-major.
-
-    For every position q of a batch's KJT values (feature f, row i, slot s, in that order):
-    `src[q]` = the position of row i's id of feature f in the batch's [batch, 26] id matrix,
-    `table[q]` = where slot s of feature f starts in the flat offset table (offsets of slot 0 are
-    0: the id itself), `rows[q]` = feature f's table rows. Returns (src, table, rows) and the flat
-    offset table is `_offset_table`.
-    """
-    bags = np.asarray(bag_sizes)
-    feats = np.repeat(np.arange(len(bags)), bags * batch)  # feature of each position
-    starts = np.repeat(np.concatenate([[0], np.cumsum(bags * batch)[:-1]]), bags * batch)
-    within = np.arange(len(feats)) - starts  # i * bag + s inside the feature's run
-    bag_of = bags[feats]
-    row, slot = within // bag_of, within % bag_of
-    slot_base = np.concatenate([[0], np.cumsum(bags)[:-1]])  # first slot of each feature in the table
-    src = row * len(bags) + feats
-    table = (slot_base[feats] + slot) * _MULTI_HOT_TABLE
-    return src.astype(np.int64), table.astype(np.int64), np.asarray(table_rows, np.int64)[feats]
-
-
-@functools.lru_cache(maxsize=8)
-def _offset_table(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int) -> np.ndarray:
-    """All features' offsets in one flat table: slot s of feature f, residue r at
-    (first slot of f + s) * 2048 + r; slot 0 of every feature is zeros."""
-    parts = []
-    for bag, off in zip(bag_sizes, _multi_hot_offsets(table_rows, bag_sizes, seed)):
-        parts.append(np.zeros((1, _MULTI_HOT_TABLE), np.int64))
-        if off is not None:
-            parts.append(np.ascontiguousarray(off.T))
-    return np.concatenate(parts).ravel()
+def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int) -> tuple[np.ndarray | None, ...]:
+    """Per feature: [2048, bag] uint32 offsets of a whole bag (column 0 is 0: the id itself), so a
+    bag is one row gathered (None for bags of one)."""
+    return tuple(None if off is None else np.concatenate([np.zeros((_MULTI_HOT_TABLE, 1), np.uint32),
+                                                          off.astype(np.uint32)], axis=1)
+                 for off in _multi_hot_offsets(table_rows, bag_sizes, seed))
 
 
 def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size: int,
@@ -196,7 +171,9 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     Every output column holds one entry per batch: "dense" [nb, B, 13] float32, "labels" [nb, B]
     float32, "values" [nb, V] int64 and "lengths" [nb, 26 * B] int32 of the KeyedJaggedTensor of
     C1..C26, key-major (V = B * sum of the bag sizes), and "row_ids" [nb, B] int64 when the rows
-    carry them. Whole-array operations over the block; no loop over rows or batches.
+    carry them. Array operations over the whole block: no loop over rows or batches (multi-hot
+    loops over the 26 features, each expanded for every row of the block at once: one gathered
+    row of offsets per bag is faster than one array operation that gathers every value).
     """
     labels = np.asarray(cols[LABEL_NAME])
     n = len(labels)
@@ -215,11 +192,28 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
         )
     bags = spec.bag_sizes
     if spec.multi_hot:
-        src, table, table_rows = _multi_hot_layout(spec.table_rows, bags, multi_hot_seed, b)
-        by_row = ids.T.reshape(nb, b * len(SPARSE_NAMES))  # each batch's [B, 26] ids, flat
-        x = by_row[:, src]  # [nb, V]: each value's id, already key-major
-        values = x + _offset_table(spec.table_rows, bags, multi_hot_seed)[table + (x & (_MULTI_HOT_TABLE - 1))]
-        values -= table_rows * (values >= table_rows)  # (x + offset) % rows, as x < rows and offset < rows
+        # per feature, over the whole block: a bag is one gathered row of the feature's offset
+        # table plus the id, reduced mod rows (uint32: x + offset < 2 * rows < 2^32, and
+        # min(v, v - rows) is v mod rows, as v - rows wraps around when v < rows)
+        if max(spec.table_rows) >= 1 << 31:
+            raise ValueError(f"spec {spec.name!r}: multi-hot expansion needs table rows < 2^31")
+        values = np.empty((nb, b * sum(bags)), np.int64)
+        tables = _bag_tables(spec.table_rows, bags, multi_hot_seed)
+        ids32 = ids.astype(np.uint32)
+        step = max(1, _EXPAND_ROWS // b)  # batches expanded at once: their values stay in cache
+        for j in range(0, nb, step):
+            k = min(step, nb - j)
+            start = 0
+            for f, bag_table in enumerate(tables):
+                x = ids32[f, j * b:(j + k) * b].reshape(k, b, 1)
+                if bag_table is None:
+                    values[j:j + k, start:start + b] = x[..., 0]
+                else:
+                    v = bag_table[x[..., 0] & (_MULTI_HOT_TABLE - 1)]  # [k, b, bag]
+                    v += x
+                    np.minimum(v, v - np.uint32(rows[f]), out=v)
+                    values[j:j + k, start:start + b * bags[f]] = v.reshape(k, -1)
+                start += b * bags[f]
     else:  # key-major: all of C1's ids of a batch, then C2's, ... as the KJT lays them out
         values = ids.reshape(len(SPARSE_NAMES), nb, b).transpose(1, 0, 2).reshape(nb, -1)
     lengths = np.broadcast_to(np.repeat(np.asarray(bags, np.int32), b), (nb, b * len(SPARSE_NAMES)))
