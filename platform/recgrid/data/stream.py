@@ -352,7 +352,7 @@ def _datasource_class() -> type:
         def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                            data_context: Any = None) -> list[Any]:
             # every task, whatever the parallelism asked: a task is whole batches, in order
-            return [ReadTask(functools.partial(_read_task, self.inputs, task, self.spec),
+            return [ReadTask(functools.partial(read_task_table, self.inputs, task, self.spec),
                              BlockMetadata(num_rows=sum(u.rows for u in task), size_bytes=None, exec_stats=None,
                                            input_files=tuple(sorted({self.inputs.files[u.file] for u in task}))))
                     for task in self.tasks]
@@ -367,7 +367,7 @@ def UnitsDatasource(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, ba
     return _datasource_class()(inputs, units, spec, batch_size, drop_last=drop_last, rows_per_task=rows_per_task)
 
 
-def _read_task(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec) -> list[pa.Table]:
+def read_task_table(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec) -> list[pa.Table]:
     """One read task: its ranges' prepared rows, as one table (one block)."""
     formats: dict[int, str] = {}
     tables = []
@@ -405,7 +405,7 @@ def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batc
     """`ray_batches`' read tasks run here, one after another, without Ray: for offline tools in
     one process (`recgrid towers`). Training and evaluation read through `ray_batches`."""
     for task in read_tasks(units, batch_size, drop_last=drop_last, rows_per_task=rows_per_task):
-        (table,) = _read_task(inputs, task, spec)
+        (table,) = read_task_table(inputs, task, spec)
         cols = {n: table.column(n).to_numpy() for n in table.column_names}
         yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed))
 
