@@ -18,9 +18,10 @@ prefetched blocks and wraps each batch's arrays with `torch.from_numpy` into a t
 
 `scan_inputs` counts the rows of the job's files once (parquet footers; raw logs are counted
 line by line). `read_dataset` (prepare's checks, tests) reads globs of raw logs or prepared
-parquet into one Dataset of prepared rows. `memory_batches` and `synthetic_batches` build the
-same `Batch`es up front, in memory: the baseline that streaming is measured against, and a
-file-free source for engine tests.
+parquet into one Dataset of prepared rows. `local_batches` runs the same read tasks in the
+calling process, without Ray (offline tools: `recgrid towers`). `memory_batches` and
+`synthetic_batches` build the same `Batch`es up front, in memory: the baseline that streaming
+is measured against, and a file-free source for engine tests.
 
 Multi-hot (spec.multi_hot): each id x of feature f becomes a bag of spec.bag_sizes[f] ids,
 x first, then (x + offset) % rows with offsets from a seeded per-feature table indexed by
@@ -394,8 +395,8 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     ds = units_dataset(inputs, units, spec, batch_size, drop_last=drop_last, multi_hot_seed=multi_hot_seed,
                        rows_per_task=rows_per_task, num_cpus_per_task=num_cpus_per_task)
-    if ds is None:
-        return iter(())
+    if ds is None:  # no whole batch: an empty generator (the loop closes what it is given)
+        return (b for b in ())
     return _iterate(ds, prefetch_blocks, stats)
 
 
@@ -415,8 +416,11 @@ def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None) -
     try:
         for block in blocks:
             yield from batches_of_block(block)
-    except Exception as e:  # noqa: BLE001 - a read task's own error, not Ray's wrapping of it
-        raise _user_error(e) from None
+    except Exception as e:  # a bad row's error as the read task raised it, not Ray's wrapping of it
+        data_error = _data_error(e)
+        if data_error is None:
+            raise
+        raise data_error from None
     finally:
         close = getattr(blocks, "close", None)
         if close is not None:
@@ -427,18 +431,15 @@ def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None) -
                 stats.append(text)
 
 
-def _user_error(e: BaseException) -> BaseException:
-    """The CriteoDataError (or other error) a Ray task raised, unwrapped from Ray's exceptions."""
+def _data_error(e: BaseException) -> CriteoDataError | None:
+    """The CriteoDataError a Ray task raised, found inside Ray's exceptions (None if there is none)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, CriteoDataError):
             return e
-        cause = getattr(e, "cause", None) or e.__cause__
-        if cause is None:
-            break
-        e = cause
-    return e
+        e = getattr(e, "cause", None) or e.__cause__
+    return None
 
 
 def units_dataset(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
@@ -468,6 +469,7 @@ def ordered_context():
     import ray.data
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # no line per stream started and finished
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # nor "progress bars disabled"
     ctx = ray.data.DataContext.get_current()
     options = copy.deepcopy(ctx.execution_options)
     options.preserve_order = True

@@ -50,7 +50,7 @@ from torch import nn
 
 from recgrid.data.specs import DatasetSpec
 from recgrid.data.stream import EvalData, TrainData
-from recgrid.data.units import DataCursor, EpochPlan, Inputs, even_sizes, split_rows
+from recgrid.data.units import DataCursor
 from recgrid.engine.device import autocast, configure_matmul, pipelined, resolve_precision, synchronize
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import ModelSpec, build_model
