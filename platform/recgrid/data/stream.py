@@ -17,7 +17,7 @@ prefetched blocks and wraps each batch's arrays with `torch.from_numpy` into a t
 `Batch` (`batches_of_block`): no per-row or per-feature work is left in it.
 
 `scan_inputs` counts the rows of the job's files once (parquet footers; raw logs are counted
-line by line). `read_dataset` (prepare's checks, tests) reads globs of raw logs or prepared
+line by line). `read_dataset` (whole-file checks) reads globs of raw logs or prepared
 parquet into one Dataset of prepared rows. `local_batches` runs the same read tasks in the
 calling process, without Ray (offline tools: `recgrid towers`). `memory_batches` and
 `synthetic_batches` build the same `Batch`es up front, in memory: the baseline that streaming
@@ -75,11 +75,10 @@ def read_dataset(
     CriteoDataError naming file, line and field); prepared parquet is read as it is, after its
     schema and table rows are checked against `spec`. Formats are told by content and may mix.
     `num_cpus_per_task` is what each read task reserves: leave that much CPU unreserved by the
-    training workers, or reading waits forever. `block_bytes` bounds a block (the unit a worker
-    takes from the stream): ~4 MiB is ~16k prepared rows.
+    training workers, or reading waits forever. `block_bytes` bounds a block: ~4 MiB is ~16k
+    prepared rows. Training does not read through this Dataset (`ray_batches` does); it checks
+    files whole (tests of `prepare`'s output, of bad inputs).
     """
-    # Ray Data coalesces output into blocks of up to 128 MiB (~500k rows); streaming_split hands
-    # out whole blocks, so small blocks are what lets T workers share a modest dataset evenly.
     with data_context(target_max_block_size=block_bytes):
         return _read_dataset(paths, spec, num_cpus_per_task)
 

@@ -423,7 +423,7 @@ class Trainer:
                 if stop:
                     break
             steps.close()  # drops a pipeline still holding prefetched batches
-            batches.close()  # stops the reader's prefetch thread
+            batches.close()  # stops this worker's Ray Data stream
             if done == steps_left:
                 data.plan.next_epoch(st.cursor)
         run_eval()
