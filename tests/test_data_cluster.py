@@ -66,6 +66,7 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
     # 4 training streams and 4 evaluation streams, each at least one read task
     assert len(reads) >= 8, [t.name for t in reads]
     assert {t.node_id for t in reads} == {cluster["cpu_node"]}  # the head had no CPU left for them
+    assert {t.required_resources.get("CPU") for t in reads} == {0.25}  # a fraction: they fit beside workers
 
     client = mlflow_client(cfg)
     stats = Path(client.download_artifacts(r.run_id, "data/ray_data_stats.txt", str(tmp_path))).read_text()
