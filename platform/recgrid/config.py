@@ -141,7 +141,7 @@ class TrainConfig:
     cpus_per_worker: float = 0.5
     """CPUs Ray reserves per worker; fractional so T=4 workers fit a 2-core machine."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource; names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
+    """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource (Ray Data's read tasks ask for none of them, so they may run on any node with CPUs); names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] = "restart"

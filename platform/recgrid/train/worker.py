@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from recgrid.data.stream import stats_text
 from recgrid.data.units import DEFAULT_ROWS_PER_UNIT, EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
 from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
@@ -151,6 +152,8 @@ def train_worker(cfg: dict) -> None:
 
     hooks = FitHooks(on_log=on_log, at_sync_point=at_sync_point, on_step=on_step, stop_requested=stop_requested)
     trainer.fit(data, loop, eval_data, hooks)
+    if report and report.tracker is not None:  # Ray Data's execution stats of this worker's streams
+        report.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
     trainer.close()
     recovery.close()
     if system is not None:
