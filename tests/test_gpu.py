@@ -317,7 +317,7 @@ def _nccl_worker(port, q, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     try:
         from recgrid.engine.device import worker_device
-        from recgrid.launch.local import quiet_libraries
+        from recgrid.logs import quiet_libraries
 
         quiet_libraries()
         device = worker_device(0, use_gpu=True)

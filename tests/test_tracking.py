@@ -8,7 +8,7 @@ import shlex
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recgrid.launch.tracking import (
+from recgrid.tracking import (
     MAX_PARAM_VAL_LENGTH,
     Tracker,
     default_tracking_uri,
@@ -113,7 +113,7 @@ def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None
 def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -> None:
     """MLflow 3's UI shows an experiment without `mlflow.experimentKind = custom_model_development`
     as a GenAI overview of traces: new experiments carry it, existing ones get it."""
-    from recgrid.launch.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+    from recgrid.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 
     client = MlflowClient(tracking_uri=store)
     parent = Tracker(experiment="t-kind", tracking_uri=store).start("sweep")
@@ -133,7 +133,7 @@ def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -
 def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
     import time
 
-    from recgrid.launch.tracking import start_system_metrics
+    from recgrid.tracking import start_system_metrics
 
     tracker = Tracker(experiment="t-system", tracking_uri=store).start("x")
     monitor = start_system_metrics(tracker.run_id, "node-a", store, sampling_interval_s=0.2)

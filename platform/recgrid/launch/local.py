@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from recgrid.logs import quiet_libraries
+
 
 class LocalRunError(RuntimeError):
     pass
@@ -58,20 +60,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world_size)]
-
-
-def quiet_libraries() -> None:
-    """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "torchrec", "fbgemm_gpu"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # FBGEMM logs each kernel's whole configuration at INFO through the root logger, and Ray
-    # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
 
 
 def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, fn: Callable[..., Any],

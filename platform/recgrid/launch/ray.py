@@ -54,7 +54,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     `on_start(coordinator)`, if given, is called once the recovery coordinator exists (tests and
     benchmarks watch the job through it).
     """
-    from recgrid.launch.tracking import Tracker
+    from recgrid.tracking import Tracker
 
     t0 = time.perf_counter()
     grid = config.build_grid()

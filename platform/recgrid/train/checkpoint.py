@@ -72,16 +72,6 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path.removeprefix("file://"), ".metadata"))
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint directly under `root` (a local directory), or None."""
-    root = root.removeprefix("file://")
-    if not os.path.isdir(root):
-        return None
-    found = [(checkpoint_step(n), os.path.join(root, n)) for n in os.listdir(root)]
-    done = sorted((s, p) for s, p in found if s is not None and is_complete(p))
-    return done[-1][1] if done else None
-
-
 @dataclass
 class Checkpointer:
     """Writes and reads the trainer's state. `root` is where checkpoints go outside Ray Train;

@@ -69,7 +69,7 @@ def train_replica(cfg: dict) -> None:
 
     from recgrid.engine.device import worker_device
     from recgrid.engine.grid import Grid
-    from recgrid.launch.local import quiet_libraries
+    from recgrid.logs import quiet_libraries
     from recgrid.train.trainer import Trainer
 
     quiet_libraries()
@@ -258,9 +258,9 @@ class ReplicaLoop:
                 kernel.update_hyper_parameters({"lr": fused["learning_rate"], "eps": fused["eps"]})
             self.moment_scale = c
         if self.manager.participating_rank() == 0 and self.report is None:
-            from recgrid.train.worker import _Reporter
+            from recgrid.train.worker import Reporter
 
-            self.report = _Reporter(self.job, self.trainer, self.coordinator, self.attempt, self.exporter)
+            self.report = Reporter(self.job, self.trainer, self.coordinator, self.attempt, self.exporter)
         elif self.manager.participating_rank() != 0:
             self.report = None
         if live != self.live and self.report is not None:

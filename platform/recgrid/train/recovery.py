@@ -344,12 +344,6 @@ class RecoveryCoordinatorImpl:
 
         ray.get([h.drop_after.remote(step) for h in self.holders.values()], timeout=60)
 
-    def memory(self) -> dict[str, int]:
-        """Bytes each node's holder keeps (bounded by two generations of the node's shards)."""
-        import ray
-
-        return {n: ray.get(h.nbytes.remote(), timeout=30) for n, h in self.holders.items()}
-
     # ---- attempts and events --------------------------------------------------------------------------
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},

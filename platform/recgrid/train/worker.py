@@ -58,7 +58,7 @@ def train_worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     from recgrid.engine.device import peak_memory_mb, worker_device
-    from recgrid.launch.local import quiet_libraries
+    from recgrid.logs import quiet_libraries
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.recovery import Recovery
 
@@ -87,12 +87,12 @@ def train_worker(cfg: dict) -> None:
 
     trainer = Trainer(grid, groups, job.engine, device, job.plan, ne_window_steps=job.loop.ne_window_steps)
     exporter = metrics_exporter(job, groups.coords.rank)
-    report = _Reporter(job, trainer, coordinator, attempt_no, exporter) if world_rank == 0 else None
+    report = Reporter(job, trainer, coordinator, attempt_no, exporter) if world_rank == 0 else None
     system = None
     if job.run_id and world_rank == min(r for r in range(world) if nodes[r] == nodes[world_rank]):
         import socket
 
-        from recgrid.launch.tracking import start_system_metrics
+        from recgrid.tracking import start_system_metrics
 
         # one monitor per node (its first worker), named by host and Ray node (hosts may hold several)
         system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{nodes[world_rank][:8]}", job.tracking_uri)
@@ -220,14 +220,14 @@ def read_row_logs(directory: str) -> dict[tuple[int, int], Any]:
     return out
 
 
-class _Reporter:
+class Reporter:
     """Global rank 0's voice: MLflow logging into the job's run (each step once, restarts
     included), progress lines, recovery events and the Ray-native metrics."""
 
     def __init__(self, job: WorkerJob, trainer: Trainer, coordinator: Any, attempt: int, exporter: Any) -> None:
         import ray
 
-        from recgrid.launch.tracking import Tracker
+        from recgrid.tracking import Tracker
 
         self.job, self.trainer, self.coordinator, self.attempt = job, trainer, coordinator, attempt
         self.tracker = Tracker.attach(job.run_id, job.tracking_uri) if job.run_id else None
@@ -302,7 +302,7 @@ class _Reporter:
         self.exporter(values, step)
 
     def log(self, values: dict[str, float], step: int) -> None:
-        from recgrid.launch.report import progress_line
+        from recgrid.logs import progress_line
 
         if step <= self.logged_upto and "eval/ne" not in values:
             return  # this step reached the run before the restart
