@@ -165,13 +165,14 @@ def _qps_worker(cfg: dict) -> None:
 
     from recgrid.data.stream import iter_batches, memory_batches
     from recgrid.engine.grid import Grid
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     ctx = ray.train.get_context()
     torch.set_num_threads(1)
     grid = Grid(ctx.get_world_size(), cfg["num_groups"])
     spec, B, warmup, steps = cfg["spec"], cfg["batch_size"], cfg["warmup"], cfg["steps"]
-    state = Trainer.build(grid, EngineConfig(spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
+    state = Trainer.build(grid, EngineConfig.from_job(defaults(), spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
     shard = ray.train.get_dataset_shard("train")
 
     def timed(batches) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from recgrid.engine.device import process_group_backend
 from recgrid.logs import quiet_libraries
 
 
@@ -72,7 +73,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, f
     torch.set_num_threads(threads)  # T processes share this machine's cores
     quiet_libraries()
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(process_group_backend("cpu"), rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
