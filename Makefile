@@ -33,12 +33,15 @@ demo: install
 smoke: install
 	$(BIN)/recgrid smoke --world-size 4 --groups 2 --steps 20 --sync-every 5
 
+# every committed bench/results/ file, in the order the calibration needs (both step_time runs first)
 bench: install
 	$(BIN)/python bench/step_time.py
+	$(BIN)/python bench/step_time.py --global-batch 512 --m-sweep-only --out bench/results/step_time_b512.json
 	$(BIN)/python bench/calibrate_cpu.py
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/quality.py
+	$(BIN)/python bench/towers.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,7 +1,8 @@
 """`recgrid compare`: a real two-configuration sweep (T=2: M=1 and M=2) on one local Ray cluster, read
 back through MLflow: one parent run, a child per configuration, the table as CSV and Markdown and
-the chart as artifacts of the parent, the relative columns computed against M=1. The sweep's
-refusals and the reference without M=1 need no cluster."""
+the chart as artifacts of the parent, the relative columns computed against M=1, and a sweep that
+stops at a failure that is not its configuration's. The sweep's refusals and the reference without
+M=1 need no cluster."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from recgrid.config import load_config
 from recgrid.launch.compare import (
     COLUMNS,
     CompareError,
     add_relative,
+    caveat,
+    is_configuration_fault,
     markdown_table,
     parse_list,
     plan_sweep,
     reference_note,
+    reference_row,
     run_compare,
 )
 
@@ -58,7 +63,7 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     exp = client.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
-    assert sorted(c.info.run_name for c in children) == ["T2-M1-K5", "T2-M2-K5"]
+    assert sorted(c.info.run_name for c in children) == ["T2-M1", "T2-M2-K5"]  # K does not apply to M=1
     assert all(c.info.status == "FINISHED" for c in children)
     assert len(client.search_runs([exp.experiment_id])) == 3  # nothing else
     for c in children:  # the same job but for M (and c = M, which follows it)
@@ -110,7 +115,11 @@ def test_table_artifacts_and_relative_columns(sweep, tmp_path):
     assert float(m2["qps"]) == pytest.approx(child["train/qps_median"])
     assert float(m2["eval_ne"]) == pytest.approx(child["eval/ne"])
     assert float(ref["sync_share"]) == 0.0 < float(m2["sync_share"]) < 1  # M=1 never syncs replicas
-    assert "(ref)" in result.markdown and "pp)" in result.markdown and "relative to M=1" in result.markdown
+    assert "(ref)" in result.markdown and "relative to M=1" in result.markdown
+    assert "pp, better)" in result.markdown or "pp, worse)" in result.markdown or "(+0.0 pp)" in result.markdown
+    assert f"for {STEPS} steps" in result.markdown and "within run-to-run noise" in result.markdown  # the caveat
+    # one imbalance statistic: the table's is the child's own summary figure
+    assert float(m2["lookup_imbalance"]) == pytest.approx(child["imbalance/lookup_max_over_mean_median"])
 
 
 def test_invalid_sweeps_are_refused_naming_the_value():
@@ -130,10 +139,59 @@ def test_without_m1_the_smallest_m_is_the_reference_and_the_table_says_so():
     rows = [{"config": f"M={m} K=5", "M": m, "L": 8 // m, "status": "FINISHED", "qps": q, "peak_memory_mib": 100.0,
              "mean_memory_mib": 90.0, "lookup_imbalance": 1.2, "sync_share": s, "eval_ne": 0.8, "eval_auc": None}
             for m, q, s in ((2, 1000.0, 0.05), (4, 1500.0, 0.08))]
-    add_relative(rows, rows[0])
-    assert rows[1]["qps_rel"] == pytest.approx(50.0) and rows[1]["sync_share_rel"] == pytest.approx(3.0)
-    assert rows[1]["eval_auc_rel"] is None
-    note = reference_note(rows, rows[0])
+    rows.reverse()  # the reference is found by compare's rule (the smallest M), not by position
+    reference = reference_row(rows)
+    assert reference["M"] == 2
+    add_relative(rows, reference)
+    m4 = rows[0]
+    assert m4["qps_rel"] == pytest.approx(50.0) and m4["sync_share_rel"] == pytest.approx(3.0)
+    assert m4["eval_auc_rel"] is None
+    note = reference_note(rows, reference)
     assert "M=1 is not in the sweep" in note and "relative to M=2 K=5" in note and "add 1 to --groups" in note
-    table = markdown_table(rows, rows[0], note)
-    assert "1,500 (+50.00%)" in table and "8.0% (+3.0 pp)" in table and "n/a" in table
+    table = markdown_table(rows, reference, note)
+    # each change says which way is better: more QPS is, a larger sync share is not
+    assert "1,500 (+50.00%, better)" in table and "8.0% (+3.0 pp, worse)" in table and "n/a" in table
+    assert "1,000 (ref)" in table
+
+
+def test_only_a_configuration_s_own_failures_let_the_sweep_go_on():
+    assert is_configuration_fault("OutOfMemoryError: CUDA out of memory") and is_configuration_fault("GridError: x")
+    assert not is_configuration_fault("CriteoDataError: /data/day_0: glob matches no file")
+    assert not is_configuration_fault("ClusterError: cannot join the Ray cluster") and not is_configuration_fault(None)
+
+
+def test_sweep_stops_at_the_first_failure_that_is_not_the_configuration_s(tmp_path):
+    """The data vanish after the sweep was validated (an unmounted volume): the first configuration
+    fails, the sweep stops there with one FAILED child and says why, and the parent run is FAILED."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.data.synth import ensure_synth
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    base = load_config(DEMO, ["grid.world_size=2", "train.max_steps=5", "train.batch_size=64", "data.eval=[]"])
+    ensure_synth(f"{tmp_path}/train/*.parquet", 2000, base.dataset_spec(), 0, 0, say=lambda _: None)
+    overrides = [f"data.train={tmp_path}/train/*.parquet", "data.eval=[]", "data.synth_if_missing=false",
+                 "grid.world_size=2", "train.max_steps=5", "train.batch_size=64", "train.cpus_per_worker=0.25",
+                 f"train.storage_path={tmp_path}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=stops"]
+    variants = plan_sweep(DEMO, [1, 2], None, overrides)
+    for f in (tmp_path / "train").iterdir():
+        f.unlink()
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        result = run_compare(variants, DEMO)
+    finally:
+        ray.shutdown()
+    assert result.status == "FAILED" and [r["status"] for r in result.rows] == ["FAILED"]
+    assert "CriteoDataError" in result.rows[0]["error"]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("stops")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FAILED"]  # the parent and one child, nothing more
+    assert "1 of 1 configurations run failed (the sweep stopped; 1 not run)" in client.get_run(result.parent_run_id).data.tags["error"]
+
+
+def test_the_caveat_names_the_runs_length_and_seed():
+    cfg = load_config(DEMO, ["train.max_steps=40", "train.seed=3"])
+    text = caveat(cfg, [])
+    assert "for 40 steps" in text and "train.seed=3" in text and "other seeds" in text

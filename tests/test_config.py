@@ -43,7 +43,7 @@ def test_defaults_load(data_dir) -> None:
     assert cfg.train.cpus_per_worker == 0.5 and cfg.optim.moment_scale is None
     # nulls resolve from the spec and the grid
     assert cfg.embedding_dim == 16 and cfg.dense_arch == [64, 16] and cfg.moment_scale == 1.0
-    assert cfg.run_name == "T4-M1-K1"
+    assert cfg.run_name == "T4-M1"  # K does not apply without replica groups
     assert cfg.build_grid() == cfg.grid() == Grid(4, 1, "host-local")
     assert load_config(None, ["data.train=data/train-0.tsv"]).to_dict() == load_config(
         _yaml(data_dir, "data: {train: [data/train-0.tsv]}")).to_dict()
@@ -110,12 +110,18 @@ def test_missing_glob_is_fine_when_synthesising(data_dir) -> None:
 
 def test_yaml_errors_name_the_file_and_key(data_dir) -> None:
     path = _yaml(data_dir, "data: {train: data/train-*.tsv}\nmodel:\n  arch: dcn\n  embeding_dim: 8\n")
-    with pytest.raises(ConfigError, match=rf"^model\.embeding_dim: unknown key in {path}; valid keys in model: arch, embedding_dim"):
+    with pytest.raises(ConfigError, match=rf"^model\.embeding_dim: unknown key in {path} \(did you mean "
+                                          rf"model\.embedding_dim\?\); valid keys in model: arch, embedding_dim"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"^trainer: unknown section in .*job\.yaml; valid sections: grid, model"):
+    with pytest.raises(ConfigError, match=r"^trainer: unknown section in .*job\.yaml \(did you mean train\?\); "
+                                          r"valid sections: grid, model"):
         load_config(_yaml(data_dir, "trainer: {max_steps: 3}\n"))
     with pytest.raises(ConfigError, match=r"^data\.train: required"):
         load_config(_yaml(data_dir, "grid: {world_size: 2}\n"))
+    with pytest.raises(ConfigError, match=r"^grid\.num_group: unknown key in --set \(did you mean grid\.num_groups\?\)"):
+        load_config(None, ["grid.num_group=2"])
+    with pytest.raises(ConfigError, match=r"^zzz\.x: unknown section in --set; valid"):  # nothing close: no guess
+        load_config(None, ["zzz.x=1"])
     with pytest.raises(ConfigError, match=r"^grid: must be a mapping of fields in .*job\.yaml"):
         load_config(_yaml(data_dir, "grid: 4\n"))
     with pytest.raises(ConfigError, match=r"does not exist"):
@@ -154,3 +160,17 @@ def test_readme_config_table_is_the_generated_one() -> None:
     assert begin in readme and end in readme
     assert readme[readme.index(begin) + len(begin):readme.index(end)] == reference_table(), \
         "README's config table is stale: paste the output of `python -m recgrid.config`"
+
+
+@pytest.mark.parametrize("sharding", ["table_row_wise", "grid_shard"])
+def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, sharding) -> None:
+    # T=4, M=2, L=2, elastic down to 2: an attempt may get 3 workers and sideline one
+    base = ["data.train=data/train-0.tsv", "grid.world_size=4", "grid.num_groups=2", f"model.sharding={sharding}"]
+    with pytest.raises(ConfigError, match=r"^model\.sharding: .*elastic.*sidelines ranks"):
+        load_config(None, base + ["grid.min_world_size=2"])
+    fixed = load_config(None, base)  # a fixed size never sidelines a rank
+    assert not fixed.sidelines_ranks
+    every_count_whole = load_config(None, base[:2] + ["grid.num_groups=4", f"model.sharding={sharding}",
+                                                      "grid.min_world_size=2"])  # L = 1
+    assert not every_count_whole.sidelines_ranks
+    assert load_config(None, base[:3] + ["grid.min_world_size=2"]).sidelines_ranks  # auto: planned without them

@@ -312,3 +312,30 @@ def test_dashboard_queries_answer_on_a_real_prometheus(metrics_port, exporting, 
     finally:
         prom.terminate()
         prom.wait(timeout=30)
+
+
+def test_readme_describes_every_panel_of_the_dashboard():
+    """dashboards/README.md's panel table lists exactly the dashboard's panels, under their rows."""
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    table = readme.split("<!-- panels:", 1)[1]
+    documented = {tuple(c.strip() for c in line.strip("|").split("|")[:2])
+                  for line in table.splitlines() if line.startswith("| ") and not line.startswith("| row")}
+    panels, row = set(), None
+    for p in _dashboard()["panels"]:
+        if p["type"] == "row":
+            row = p["title"]
+        else:
+            panels.add((row, p["title"]))
+    assert documented == panels
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)")
+def test_local_prometheus_config_is_valid_and_finds_ray_nodes():
+    """The local recipe's config passes Prometheus' own check and discovers nodes through the file
+    Ray writes."""
+    from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+
+    path = ROOT / "dashboards" / "prometheus" / "local.yaml"
+    check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}" in path.read_text()

@@ -203,19 +203,19 @@ def test_empty_and_truncated_gzip_and_missing_glob(tmp_path):
 
     with pytest.raises(CriteoDataError, match=r"nothing-\*.tsv: glob matches no file"):
         expand_inputs([str(tmp_path / "nothing-*.tsv")])
-    assert cli.main(["prepare", str(tmp_path / "nothing-*.tsv"), "--out", str(tmp_path / "o5")]) == 1
+    assert cli.main(["prepare", str(tmp_path / "nothing-*.tsv"), "--out", str(tmp_path / "o5"), "--spec", "tiny"]) == 1
 
 
 def test_allow_bad_rows_counts_and_enforces_bound(tmp_path, capsys):
     bad = [line("1", ["x"] + ["1"] * 12, ["0"] * 26), line("1", ["1"] * 13, ["0"] * 20)]
     path = write(str(tmp_path / "day_9"), LINES * 4 + bad)  # 18 lines, 2 bad: 11.1%
     out = str(tmp_path / "out")
-    assert cli.main(["prepare", path, "--out", out, "--allow-bad-rows", "0.05"]) == 1
+    assert cli.main(["prepare", path, "--out", out, "--spec", "tiny", "--allow-bad-rows", "0.05"]) == 1
     err = capsys.readouterr().err
     assert "2 bad rows of 18 lines" in err and "exceed --allow-bad-rows 0.05" in err
     assert f"{path}:17: field I1: 'x' is not an integer" in err
     # the shard holds only good rows, so a rerun with a looser bound reuses it
-    assert cli.main(["prepare", path, "--out", out, "--allow-bad-rows", "0.2"]) == 0
+    assert cli.main(["prepare", path, "--out", out, "--spec", "tiny", "--allow-bad-rows", "0.2"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("prepared 16 rows, 2 bad rows,") and "0 shards written, 1 already done" in last
     check_rows(read_shards(out)[:4], get_spec("tiny"))

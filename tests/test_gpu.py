@@ -224,6 +224,7 @@ def _run_probe() -> dict:
     fed the same batches through two `run` calls on one iterator."""
     import itertools
 
+    from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
@@ -236,10 +237,12 @@ def _run_probe() -> dict:
     default = {"pipelined": a.pipelined, "pipeline": a._pipeline, "timer": type(a.metrics.timer).__name__,
                "forward": type(ebc.forward).__name__, "precision": a.precision}
     b = Trainer.build(Grid(2, 1), engine, torch.device("cpu"), pipeline=True)
+    forwards = watch_forwards(b.model)
     it = iter(batches)
     first, second = b.run(it, 5), b.run(it, 8)
     phases = {k: first.phase_seconds[k] + second.phase_seconds[k] for k in first.phase_seconds}
     return {"default": default, "plain": plain, "pipelined": first.losses + second.losses, "left": len(list(it)),
+            "forwards": forwards,
             "steps": (first.steps, b.state.step), "phases": phases,
             "step_seconds": first.step_seconds + second.step_seconds}
 
@@ -298,47 +301,62 @@ def test_run_reads_only_what_it_trains_and_matches_the_plain_loop(gloo_results):
     for r in (g["run"] for g in gloo_results):
         assert r["left"] == 4 and r["steps"] == (5, 8)
         assert r["pipelined"] == r["plain"]  # L=2: the ids' all-to-all runs a step ahead
+        # TorchRec really pipelined the embedding collection (it falls back to plain forwards silently)
+        assert len(r["forwards"]) >= 8 and set(r["forwards"]) == {"pipelined"}
         assert all(v >= 0 for v in r["phases"].values()) and r["phases"]["lookup"] > 0
         assert len(r["step_seconds"]) == 8 and all(s > 0 for s in r["step_seconds"])
 
 
 # ---- on CUDA: T=1 with NCCL ----------------------------------------------------------------------
-def _nccl_run(fn, *args):
-    """Run `fn(*args)` in one spawned process that is rank 0 of a one-rank NCCL group on cuda:0."""
+def _nccl_run(fn, *args, world_size: int = 1):
+    """Run `fn(device, *args)` on `world_size` spawned processes, rank r of an NCCL group on cuda:r.
+    One rank: its value; several: their values by rank."""
     import torch.multiprocessing as mp
 
     from recgrid.launch.local import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_nccl_worker, args=(free_port(), q, fn, args))
-    p.start()
-    ok, value = q.get(timeout=900)
-    p.join(timeout=60)
-    if not ok:
-        raise AssertionError(value)
-    return value
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(port, r, world_size, q, fn, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = q.get(timeout=900)
+            if not ok:
+                raise AssertionError(f"rank {rank}: {value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return got[0] if world_size == 1 else [got[r] for r in range(world_size)]
 
 
-def _nccl_worker(port, q, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+def _nccl_worker(port, rank, world_size, q, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
     try:
         from recgrid.engine.device import worker_device
         from recgrid.logs import quiet_libraries
 
         quiet_libraries()
-        device = worker_device(0, use_gpu=True)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        device = worker_device(rank, use_gpu=True)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
         value = fn(device, *args)
         dist.destroy_process_group()
-        q.put((True, value))
+        q.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - the test raises it
-        q.put((False, traceback.format_exc()))
+        q.put((rank, False, traceback.format_exc()))
 
 
 def _gpu_losses(device, steps: int) -> dict:
     import itertools
 
+    from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
@@ -348,8 +366,10 @@ def _gpu_losses(device, steps: int) -> dict:
     plain = Trainer.build(Grid(1, 1), engine, device, pipeline=False)
     a = plain.run(iter(batches), steps)
     piped = Trainer.build(Grid(1, 1), engine, device)
+    forwards = watch_forwards(piped.model)
     b = piped.run(iter(batches), steps)
     return {"plain": a.losses, "pipelined": b.losses, "default": piped.pipelined, "plain_flag": plain.pipelined,
+            "forwards": forwards,
             "tf32": torch.backends.cuda.matmul.fp32_precision, "phases": b.phase_seconds,
             "steps": (a.steps, b.steps)}
 
@@ -359,6 +379,7 @@ def test_gpu_pipeline_trains_and_matches_the_plain_loop_at_fp32():
     r = _nccl_run(_gpu_losses, 30)
     assert r["default"] is True and r["plain_flag"] is False and r["tf32"] == "ieee"
     assert r["steps"] == (30, 30)
+    assert len(r["forwards"]) >= 30 and set(r["forwards"]) == {"pipelined"}  # TorchRec did pipeline it
     for x, y in zip(r["plain"], r["pipelined"]):
         assert math.isfinite(y) and abs(x - y) <= 1e-4 * max(1.0, abs(x))
     assert sum(r["pipelined"][-5:]) < sum(r["pipelined"][:5])  # it learns
@@ -444,3 +465,40 @@ def test_gpu_bf16_autocast_and_fp16_tables_train():
     assert r["weights"] == {"torch.float16"} and r["states"] == {"torch.float32"}
     assert all(math.isfinite(x) for x in r["losses"])
     assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
+
+
+# ---- on CUDA: M = 2 over two GPUs ------------------------------------------------------------------
+def _gpu_two_groups(device, steps: int) -> dict:
+    """T=2, M=2, K=2 at fp32: the plain loop, then the pipelined one on the same batches; per sync
+    a digest of this worker's shards."""
+    import itertools
+
+    from recgrid.engine.sharding import watch_forwards
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    engine = EngineConfig(spec=SPEC, seed=2, precision="fp32", sync_every=2)
+    batches = list(itertools.islice(random_batches(SPEC, 256, seed=dist.get_rank()), steps))
+    out = {}
+    for name, pipeline in (("plain", False), ("pipelined", True)):
+        t = Trainer.build(Grid(2, 2), engine, device, pipeline=pipeline)
+        digests: list = []
+        t.replica_sync.after_sync.append(
+            lambda s, t=t, d=digests: d.append(float(sum(x.double().sum() for x in t.shard_tensors()))))
+        forwards = watch_forwards(t.model)
+        r = t.run(iter(batches), steps)
+        out[name] = {"losses": r.losses, "digests": digests, "forwards": forwards, "syncs": t.state.sync.count}
+        t.close()
+    return out
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one rank per GPU)")
+def test_gpu_two_sharding_groups_sync_and_pipeline():
+    ranks = _nccl_run(_gpu_two_groups, 12, world_size=2)
+    for r in ranks:
+        assert r["plain"]["syncs"] == r["pipelined"]["syncs"] == 6
+        for x, y in zip(r["plain"]["losses"], r["pipelined"]["losses"]):
+            assert math.isfinite(y) and abs(x - y) <= 1e-4 * max(1.0, abs(x))
+        assert set(r["pipelined"]["forwards"]) == {"pipelined"} and set(r["plain"]["forwards"]) == {"plain"}
+    for loop in ("plain", "pipelined"):  # M=2, L=1: both workers hold the whole model; after a sync, the same
+        assert ranks[0][loop]["digests"] == ranks[1][loop]["digests"]

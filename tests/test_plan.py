@@ -118,6 +118,40 @@ def test_all_to_all_bandwidth_falls_and_latency_grows_with_group_size():
     assert all(a < b for a, b in zip(lat, lat[1:]))
 
 
+def test_recommendation_follows_its_rule(ctr_plan):
+    """Among the feasible candidates within 2% of the best QPS: the smallest K, then the smallest M
+    (recomputed here from the candidates the plan printed, not read from its choice)."""
+    feasible = [c for c in ctr_plan["candidates"] if c["feasible"]]
+    top = max(c["qps"] for c in feasible)
+    band = [c for c in feasible if c["qps"] >= 0.98 * top]
+    rule = min(band, key=lambda c: (c["sync_every"], c["num_groups"]))
+    assert ctr_plan["recommended"] == {"num_groups": rule["num_groups"], "sync_every": rule["sync_every"]}
+    # the band is not the whole set here (the rule has something to exclude) ...
+    assert len(band) < len(feasible)
+    # ... and a faster candidate with a larger K lost to a smaller K inside the band
+    assert all(c["sync_every"] >= rule["sync_every"] for c in band)
+
+
+def test_recommendation_when_nothing_fits_names_the_leanest():
+    """Every candidate out of memory: no recommendation, and the sentence names the leanest M and
+    its memory against the capacity."""
+    import dataclasses
+
+    from recgrid.plan.planner import Cluster, make_plan, recommend
+    from recgrid.plan.tables import tables_from_spec
+
+    plan = make_plan(tables_from_spec("tiny"), Cluster(8, 4, 1024, GpuCost(H100_SXM, 4)), sync_every=(1,))
+    starved = [dataclasses.replace(c, capacity_bytes=1.0) for c in plan.candidates]
+    chosen, reason = recommend(starved)
+    leanest = min(starved, key=lambda c: c.peak_bytes)
+    assert chosen is None
+    assert reason.startswith(f"no group count fits: the leanest, M={leanest.num_groups}, needs")
+    assert "use more GPUs, a smaller batch or smaller tables" in reason
+    # with one candidate that fits, it is chosen whatever its QPS
+    one = [*starved[:-1], plan.candidates[-1]]
+    assert recommend(one)[0] is plan.candidates[-1]
+
+
 def test_tiny_plan_uses_torchrec_for_every_group_count():
     from recgrid.plan.planner import Cluster, make_plan
     from recgrid.plan.tables import tables_from_spec

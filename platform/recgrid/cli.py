@@ -1,5 +1,7 @@
 """The `recgrid` command line. Parses arguments and hands each command to the module that owns it.
 
+The parser's description is the tool's own (`DESCRIPTION`); every option's help says its default.
+
 Heavy imports (torch, ray, mlflow) happen inside the command that needs them, so `recgrid
 layout` and `recgrid --help` answer at once.
 """
@@ -10,6 +12,34 @@ import argparse
 import importlib
 import json
 import sys
+
+
+DESCRIPTION = """\
+recgrid trains DLRM-family recommendation models with two-dimensional sparse parallelism on Ray:
+T workers form M sharding groups (each holds one whole copy of the embedding tables, sharded over
+its L = T / M workers) whose replicas are averaged every K steps. Metrics go to MLflow.
+
+common verbs:
+  recgrid train CONFIG.yaml [--set KEY=VALUE]   run a job here (a local Ray cluster) or on $RAY_ADDRESS
+  recgrid submit CONFIG.yaml --address URL      run it on a Ray cluster through the Job API
+  recgrid compare CONFIG.yaml --groups 1,2,4    the same job at several group counts, side by side
+  recgrid keys [SECTION]                        every config key, its default and what it does
+  recgrid plan / simulate                       choose M and K for a model and cluster
+"""
+KEYS_EPILOG = "Config keys (for the YAML and --set): `recgrid keys`, or the README's configuration reference."
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and adds each option's default to its help, unless the
+    help already says it (flags and options without a default are left as they are)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and d is not None and d is not argparse.SUPPRESS
+                and not isinstance(d, (bool, list)) and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 def _add_layout(sub: argparse._SubParsersAction) -> None:
@@ -24,18 +54,19 @@ def _add_layout(sub: argparse._SubParsersAction) -> None:
 
 def _add_smoke(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("smoke", help="train the tiny model on T local gloo processes and check the 2-D sync")
-    p.add_argument("--world-size", "-T", type=int, default=4)
-    p.add_argument("--groups", "-M", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--sync-every", "-K", type=int, default=5)
+    p.add_argument("--world-size", "-T", type=int, default=4, help="T, number of local gloo worker processes")
+    p.add_argument("--groups", "-M", type=int, default=2, help="M, number of sharding groups (must divide T)")
+    p.add_argument("--steps", type=int, default=20, help="training steps")
+    p.add_argument("--sync-every", "-K", type=int, default=5, help="K, steps between replica-group syncs")
     p.add_argument("--sharding", default="table_wise",
                    help="table_wise, column_wise, row_wise, table_row_wise, grid_shard or auto (planner's choice)")
-    p.add_argument("--inter-host", action="store_true")
+    p.add_argument("--inter-host", action="store_true", help="use the inter-host sync layout (default host-local)")
     p.add_argument("--batch-size", type=int, default=64, help="per-worker batch size")
-    p.add_argument("--moment-scale", type=float, default=None, help="c; default M")
-    p.add_argument("--delayed-moment-sync", action="store_true")
-    p.add_argument("--model", default="dlrm", choices=["dlrm", "dcn"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moment-scale", type=float, default=None, help="c, the AdaGrad moment scale (default: M)")
+    p.add_argument("--delayed-moment-sync", action="store_true",
+                   help="sync optimizer states one sync interval behind the weights")
+    p.add_argument("--model", default="dlrm", choices=["dlrm", "dcn"], help="dense architecture")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model and the synthetic batches")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.set_defaults(handler="recgrid.launch.smoke:run_cli")
 
@@ -44,7 +75,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write synthetic Criteo-format data with a planted, learnable signal")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--rows", type=int, required=True, help="rows in total, split evenly over the files")
-    p.add_argument("--files", type=int, default=1)
+    p.add_argument("--files", type=int, default=1, help="files to split the rows over")
     p.add_argument("--format", default="tsv", choices=["tsv", "tsv.gz", "parquet"],
                    help="raw Criteo logs (tsv, tsv.gz) or already-prepared parquet shards")
     p.add_argument("--spec", default="tiny", help="dataset spec: tiny, criteo_kaggle, criteo_1tb or a .yaml")
@@ -64,7 +95,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="raw Criteo TSV/gz -> parquet shards, on Ray Data, resumable")
     p.add_argument("inputs", nargs="+", help="raw files, globs or directories (plain or gzip, told by content)")
     p.add_argument("--out", required=True, help="output directory; a rerun skips the shards already there")
-    p.add_argument("--spec", default="tiny", help="dataset spec: tiny, criteo_kaggle, criteo_1tb or a .yaml")
+    p.add_argument("--spec", required=True,
+                   help="dataset spec the shards are prepared for: tiny, criteo_kaggle, criteo_1tb or a .yaml "
+                        "(its table rows are the categorical modulus; training checks the shards against it)")
     p.add_argument("--rows-per-file", type=int, default=None, help="lines per output shard (default 1,000,000)")
     p.add_argument("--allow-bad-rows", type=float, default=0.0, metavar="FRACTION",
                    help="skip and count bad rows; fail if more than this fraction of lines is bad "
@@ -74,14 +107,15 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="run a 2-D sparse-parallel training job on Ray")
+    p = sub.add_parser("train", help="run a 2-D sparse-parallel training job on Ray", epilog=KEYS_EPILOG)
     p.add_argument("config", help="job config YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.set_defaults(handler="recgrid.launch.ray:run_cli")
 
 
 def _add_submit(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="submit a training job to a running Ray cluster (Ray Job API) and follow it")
+    p = sub.add_parser("submit", help="submit a training job to a running Ray cluster (Ray Job API) and follow it",
+                       epilog=KEYS_EPILOG)
     p.add_argument("config", help="job config YAML, inside the current directory (which is shipped with the job)")
     p.add_argument("--address", default=None,
                    help="the cluster's dashboard / Job API, e.g. http://head:8265 (default: $RAY_ADDRESS)")
@@ -92,7 +126,7 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="run the job at several group counts M (and K); one MLflow parent run, "
-                                       "the paper's Table 1 relative to M=1")
+                                       "the paper's Table 1 relative to M=1", epilog=KEYS_EPILOG)
     p.add_argument("config", help="job config YAML (T, data, model and batch are shared by every configuration)")
     p.add_argument("--groups", "-M", required=True, metavar="M[,M...]", help="group counts to compare, e.g. 1,2,4")
     p.add_argument("--sync-every", "-K", default=None, metavar="K[,K...]",
@@ -152,24 +186,56 @@ def _add_towers(sub: argparse._SubParsersAction) -> None:
                    help="coherent: strongly interacting features share a tower; diverse: they are spread out")
     p.add_argument("--out", required=True, help="the partition file to write (JSON)")
     p.add_argument("--steps", type=int, default=400, help="steps of the short run (default 400)")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="per-worker batch size of the short run")
     p.add_argument("--samples", type=int, default=4096, help="samples whose pooled embeddings are compared")
     p.add_argument("--checkpoint", default=None, help="a storage checkpoint to read the embeddings from instead")
     p.add_argument("--embedding-dim", type=int, default=None, help="default: the spec's")
     p.add_argument("--dims", type=int, default=8, help="dimensions of the fitted coordinates (default 8; 4 was fragile on the planted data)")
     p.add_argument("--balance", type=float, default=1.5, help="largest tower <= balance x smallest (default 1.5)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seeds the short run and the partitioner")
+    p.add_argument("--quiet", action="store_true", help="print only the partition, no progress")
     p.set_defaults(handler="recgrid.launch.towers:run_cli")
 
 
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="list the job config's keys with their defaults and docs")
+    p.add_argument("section", nargs="?", default=None, help="only this section (grid, model, data, train, optim, tracking)")
+    p.set_defaults(handler="recgrid.cli:run_keys")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("recgrid")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recgrid", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="recgrid", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"recgrid {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_layout, _add_smoke, _add_synth, _add_prepare, _add_train, _add_submit, _add_compare, _add_plan,
-                _add_simulate, _add_towers):
+                _add_simulate, _add_towers, _add_keys):
         add(sub)
+    for p in sub.choices.values():
+        p.formatter_class = _HelpFormatter
     return parser
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from recgrid.config import SECTIONS, field_defaults, field_docs
+
+    if args.section is not None and args.section not in SECTIONS:
+        print(f"recgrid keys: unknown section {args.section!r}; sections: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    defaults = field_defaults()
+    for key, doc in field_docs().items():
+        if args.section is None or key.startswith(args.section + "."):
+            print(f"{key} = {json.dumps(defaults[key])}\n    {doc}")
+    return 0
 
 
 def run_layout(args: argparse.Namespace) -> int:

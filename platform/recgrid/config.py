@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import glob
 import inspect
 import os
@@ -27,14 +28,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
 from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
 from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES, default_dense_arch
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
-from recgrid.engine.sharding import SHARDINGS
+from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
 
@@ -82,9 +83,9 @@ class ModelConfig:
     dcn_low_rank_dim: int = 16
     """Rank of the low-rank cross layers (arch "dcn" only)."""
     sharding: Literal[SHARDINGS] = "auto"
-    """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table."""
+    """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table. Elastic jobs with L > 1 cannot use table_row_wise or grid_shard (auto leaves them out)."""
     embedding_dtype: Literal[EMBEDDING_DTYPES] = "fp32"
-    """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory and replica-sync bytes. GPU workers only."""
+    """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory (the replica sync averages them in fp32, so its bytes stay fp32's). GPU workers only."""
     towers: str | None = None
     """Disaggregated Multi-Tower: N towers per sharding group, as a count (feature f in tower f % N) or a partition file written by `recgrid towers`. A tower is L / N workers of a sharding group on one host (or whole hosts) holding its features' tables (single-hot column-wise, multi-hot row-wise); embeddings return by SPTT: an intra-tower all-to-all, then one among the N peers across hosts. null = TorchRec's flat exchange (model.sharding applies). Storage checkpoints are not supported yet."""
     tower_module: Literal[TOWER_MODULES] = "none"
@@ -242,6 +243,13 @@ class JobConfig:
                 raise ConfigError(
                     f"grid.min_world_size: must be a multiple of L = T / M = {L} between {L} and T={g.world_size} "
                     f"(whole sharding groups), got {g.min_world_size}")
+        if self.sidelines_ranks and self.model.sharding in WHOLE_WORLD_TYPES:
+            raise ConfigError(
+                f"model.sharding: {self.model.sharding} cannot run in an elastic job (grid.min_world_size="
+                f"{g.min_world_size} < T={g.world_size} with L > 1): an attempt whose worker count is not a multiple "
+                f"of L sidelines ranks, and TorchRec builds this type's process groups over every rank with a "
+                f"barrier the sidelined ones never enter, so the attempt hangs; use row_wise or auto (which leaves "
+                f"{' and '.join(WHOLE_WORLD_TYPES)} out for elastic jobs), or a fixed size")
         try:
             self.build_grid()
         except GridError as e:
@@ -359,6 +367,13 @@ class JobConfig:
                                   f"leave it unset, or use train.fault_tolerance=restart")
 
     # ---- derived values -------------------------------------------------------------------------
+    @property
+    def sidelines_ranks(self) -> bool:
+        """Whether an attempt may get a worker count that is not a multiple of L and sideline the
+        workers past its last whole sharding group: an elastic job (grid.min_world_size < T) with L > 1."""
+        g = self.grid
+        return g.min_world_size is not None and g.min_world_size < g.world_size and g.num_groups < g.world_size
+
     def build_grid(self) -> Grid:
         """The `recgrid.grid.Grid` of this job (also reachable as `cfg.grid()`)."""
         return self.grid()
@@ -411,9 +426,10 @@ class JobConfig:
 
     @property
     def run_name(self) -> str:
-        """`tracking.run_name`, or "T<T>-M<M>-K<K>"."""
+        """`tracking.run_name`, or "T<T>-M<M>-K<K>" ("T<T>-M1" when M = 1: no replica groups, K does not apply)."""
         g = self.grid
-        return self.tracking.run_name or f"T{g.world_size}-M{g.num_groups}-K{g.sync_every}"
+        k = f"-K{g.sync_every}" if g.num_groups > 1 else ""
+        return self.tracking.run_name or f"T{g.world_size}-M{g.num_groups}{k}"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config as written (nulls kept), nested: `{"grid": {"world_size": 4, ...}, ...}`."""
@@ -482,10 +498,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(f"--set {item}: expected SECTION.FIELD=VALUE, e.g. grid.num_groups=2")
         section, dot, name = key.partition(".")
         if section not in SECTIONS:
-            raise ConfigError(f"{key}: unknown section in --set; valid sections: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{key}: unknown section in --set{_did_you_mean(section, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
         valid = _field_names(SECTIONS[section])
         if not dot or name not in valid:
-            raise ConfigError(f"{key}: unknown key in --set; valid keys in {section}: {', '.join(valid)}")
+            raise ConfigError(f"{key}: unknown key in --set{_did_you_mean(name, valid, section + '.')}; "
+                              f"valid keys in {section}: {', '.join(valid)}")
         raw.setdefault(section, None)
         raw[section] = {**(raw[section] or {}), name: _parse_scalar(text)}
     return JobConfig.from_dict(raw, source=source, check_paths=check_paths)
@@ -496,13 +514,21 @@ def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
     where = f" in {source}" if source else ""
     for name, values in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{name}: unknown section{where}; valid sections: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{name}: unknown section{where}{_did_you_mean(name, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
         if values is not None and not isinstance(values, Mapping):
             raise ConfigError(f"{name}: must be a mapping of fields{where}, got {values!r}")
         valid = _field_names(SECTIONS[name])
         for key in values or {}:
             if key not in valid:
-                raise ConfigError(f"{name}.{key}: unknown key{where}; valid keys in {name}: {', '.join(valid)}")
+                raise ConfigError(f"{name}.{key}: unknown key{where}{_did_you_mean(str(key), valid, name + '.')}; "
+                                  f"valid keys in {name}: {', '.join(valid)}")
+
+
+def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean grid.num_groups?)' for the closest valid name, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _parse_scalar(text: str) -> Any:
@@ -536,19 +562,25 @@ def field_docs() -> dict[str, str]:
 def reference_table() -> str:
     """The README's job config reference, as Markdown: every field's key, default and docstring
     (the README holds exactly this between its config-table markers; a test checks it)."""
-    docs = field_docs()
+    docs, defaults = field_docs(), field_defaults()
     lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default in defaults.items():
+        if docs[key].startswith("Required."):
+            default = "(required)"
+        lines.append(f"| `{key}` | `{default}` | {docs[key]} |")
+    return "\n".join(lines)
+
+
+def field_defaults() -> dict[str, Any]:
+    """`{"grid.world_size": 4, ...}`: every field's default, in section and field order."""
+    out: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
-                default = f.default
+                out[f"{section}.{f.name}"] = f.default
             elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
-            doc = docs[f"{section}.{f.name}"]
-            if doc.startswith("Required."):
-                default = "(required)"
-            lines.append(f"| `{section}.{f.name}` | `{default}` | {docs[f'{section}.{f.name}']} |")
-    return "\n".join(lines)
+                out[f"{section}.{f.name}"] = f.default_factory()  # type: ignore[misc]
+    return out
 
 
 # ---- field checks -------------------------------------------------------------------------------

@@ -257,13 +257,14 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
 
     def log_interval_medians(self, step: int) -> dict[str, float]:
-        """Log the median over the run's logging intervals of QPS and step time (`<name>_median`
-        at `step`): the run's typical speed, which an interval holding an epoch's start-up, an
-        evaluation or a restart does not skew."""
+        """Log the median over the run's logging intervals of QPS, step time and lookup imbalance
+        (`<name>_median` at `step`): the run's typical figures, which an interval holding an
+        epoch's start-up, an evaluation or a restart does not skew. The summary and `compare`
+        show these, so both quote the same statistic."""
         import statistics
 
         out = {}
-        for name in ("train/qps", "train/step_time_s"):
+        for name in ("train/qps", "train/step_time_s", "imbalance/lookup_max_over_mean"):
             values = [m.value for m in self.client.get_metric_history(self._require_run(), name)]
             if values:
                 out[f"{name}_median"] = statistics.median(values)

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import pyarrow.parquet as pq
 
+from recgrid.cluster import ClusterError, connect
 from recgrid.data.criteo import (
     PREPARED_SCHEMA, TSV, TSV_GZ, CriteoDataError, expand_inputs, iter_line_chunks, line_part_offsets,
     parse_lines, prepared_metadata, sniff_format,
@@ -203,19 +204,6 @@ def _gzip_parts(path: str, rows_per_file: int):
             pass
 
 
-def _ensure_ray() -> bool:
-    """Start a local Ray if none is running (or connect to RAY_ADDRESS); True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(include_dashboard=False)
-    else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
-    return True
-
-
 def prepare(
     inputs: str | Sequence[str],
     out: str,
@@ -246,12 +234,11 @@ def prepare(
     for p, fmt in fmts.items():
         if fmt not in (TSV, TSV_GZ):
             raise CriteoDataError(p, f"is {fmt}, already prepared; prepare reads raw TSV (plain or gzip)")
-    os.makedirs(out, exist_ok=True)
-    for n in os.listdir(out):  # leftovers of a killed run; one prepare per --out at a time
+    for n in os.listdir(out) if os.path.isdir(out) else ():  # leftovers of a killed run; one prepare per --out at a time
         if n.startswith(TMP_PREFIX):
             os.remove(os.path.join(out, n))
 
-    started = _ensure_ray()
+    started = connect(include_dashboard=False, say=lambda m: log(f"[prepare] {m}"))
     t0 = time.perf_counter()  # the work, not the cluster's start-up
     result = PrepareResult()
     try:
@@ -278,6 +265,7 @@ def prepare(
         log(f"[prepare] {len(files)} input file(s), {len(units)} unit(s) to do, "
             f"{result.shards_skipped} shard(s) already done -> {out}")
         if units:
+            os.makedirs(out, exist_ok=True)  # only now: a run that writes nothing leaves no directory
             with data_context():
                 ds = ray.data.from_items(units, override_num_blocks=len(units)).map(
                     _process_unit,
@@ -318,7 +306,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except CriteoDataError as e:
         print(f"recgrid prepare: {e}", file=sys.stderr)
         return 1
-    except (SpecError, ValueError) as e:
+    except (SpecError, ValueError, ClusterError) as e:
         print(f"recgrid prepare: {e}", file=sys.stderr)
         return 2
     print(result.summary())

@@ -61,11 +61,45 @@ def worker_device(local_rank: int | None = None, use_gpu: bool | None = None) ->
     return device
 
 
-def placement(device: "torch.device", global_rank: int, local_rank: int) -> str:
-    """A TorchRec shard placement string. CPU shards reject an index ("cpu:1"), CUDA needs one."""
-    if device.type == "cpu":
+def placement(device_type: str, global_rank: int, device_index: int | None) -> str:
+    """A TorchRec shard placement string for the shard on global rank `global_rank`, whose worker
+    computes on device `device_index` of its node (as that worker reads it: `device_indices`).
+    CPU shards reject an index ("cpu:1"); CUDA shards need the worker's real one."""
+    if device_type == "cpu":
         return f"rank:{global_rank}/cpu"
-    return f"rank:{global_rank}/{device.type}:{local_rank}"
+    if device_index is None:
+        raise ValueError(f"a {device_type} shard placement needs the device index of rank {global_rank}")
+    return f"rank:{global_rank}/{device_type}:{device_index}"
+
+
+def device_indices(group, device: "torch.device") -> "dict[int, int] | None":
+    """Global rank -> the CUDA device index each member of `group` really computes on (read by
+    that worker, gathered over `group`: collective); None on CPU, where placements carry none.
+    Never computed from ranks: with uneven workers per node, or under Ray's device assignment,
+    the local rank is not the device."""
+    import torch
+    import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
+    current = torch.cuda.current_device()
+    index = current if device.index is None else device.index
+    if index != current:
+        raise RuntimeError(f"this worker shards onto cuda:{index} but torch.cuda.current_device() is "
+                           f"cuda:{current}; call torch.cuda.set_device on the worker's device first")
+    got: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, (dist.get_rank(), index), group=group)
+    return dict(got)
+
+
+def device_memory_bytes(device: "torch.device | None" = None) -> int:
+    """Total memory of a CUDA device (this process's current one by default), in bytes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device in this process to read the device memory of")
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 def synchronize(device: "torch.device") -> None:

@@ -13,7 +13,7 @@ import copy
 import functools
 from typing import TYPE_CHECKING, Any
 
-from recgrid.engine.device import placement
+from recgrid.engine.device import device_indices, device_memory_bytes, placement
 from recgrid.engine.grid import Grid, GridGroups
 
 if TYPE_CHECKING:  # torchrec is heavy; config validation imports SHARDINGS from here
@@ -30,6 +30,16 @@ SHARDINGS: tuple[str, ...] = ("auto", *MODEL_PARALLEL_TYPES)
 # What "auto" lets the planner pick from: table-column-wise only when asked for (see
 # _check_table_column_wise); column-wise and table-wise cover what it would do here.
 AUTO_TYPES: tuple[str, ...] = tuple(t for t in MODEL_PARALLEL_TYPES if t != "table_column_wise")
+# Types whose TorchRec process groups (`intra_and_cross_node_pg_2D`) are sized from the GLOBAL
+# world and built with a barrier on the default group: an elastic attempt that sidelines the
+# workers past its last whole sharding group hangs in them (the sidelined ranks never enter).
+WHOLE_WORLD_TYPES: tuple[str, ...] = ("table_row_wise", "grid_shard")
+
+
+def auto_types(may_sideline: bool = False) -> tuple[str, ...]:
+    """The sharding types "auto" chooses from: without the whole-world types when ranks may be
+    sidelined (an elastic job with L > 1)."""
+    return tuple(t for t in AUTO_TYPES if not (may_sideline and t in WHOLE_WORLD_TYPES))
 
 
 @functools.cache
@@ -64,13 +74,18 @@ def grid_sharder(fused_params: dict[str, Any]):
 
 
 def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_params: dict[str, Any],
-              sharding: str = "auto") -> "ShardingPlan":
+              sharding: str = "auto", hbm_cap: int | None = None, may_sideline: bool = False) -> "ShardingPlan":
     """The sharding plan of ONE sharding group (world size L), in shard ranks 0..L-1.
 
     Needs no process group: the driver makes it once per job, records it, and every worker of
     every restart replays it (`shard_model`), so a shard's identity (its position inside a
     sharding group) never changes while the job lives. Deterministic: the same model, grid shape
     and sharding give the same plan in every process, whatever its hash seed.
+
+    `hbm_cap`: bytes of memory per GPU the planner may fill (CUDA only; TorchRec's own default is
+    32 GiB whatever the GPU); None = this process's CUDA device's memory. `may_sideline`: the job
+    is elastic with L > 1, so an attempt may sideline ranks; "auto" then leaves out the
+    whole-world types (`WHOLE_WORLD_TYPES`) and naming one is refused.
     """
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -78,7 +93,12 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
 
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
-    choices = [sharding] if sharding != "auto" else list(AUTO_TYPES)
+    if may_sideline and sharding in WHOLE_WORLD_TYPES:
+        raise ValueError(f"sharding {sharding} cannot run while an elastic attempt sidelines ranks (TorchRec "
+                         f"builds its groups over the whole world); use row_wise or auto")
+    choices = [sharding] if sharding != "auto" else list(auto_types(may_sideline))
+    if device_type == "cuda" and hbm_cap is None:
+        hbm_cap = device_memory_bytes()
     constraints = {
         name: ParameterConstraints(
             sharding_types=choices,
@@ -88,8 +108,9 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
         for name, dim in _tables(model)
     }
     with _quiet_planner():  # also TorchRec 1.8's warning about a Topology built without its factory
+        memory = {"hbm_cap": int(hbm_cap)} if device_type == "cuda" and hbm_cap is not None else {}
         topology = Topology(world_size=grid.group_size, compute_device=device_type,
-                            local_world_size=grid.sharding_group_per_node)
+                            local_world_size=grid.sharding_group_per_node, **memory)
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
                                            enumerator=_ordered_enumerator(topology, constraints))
         plan = planner.plan(model, [grid_sharder(fused_params)])
@@ -137,14 +158,17 @@ def _ordered_enumerator(topology: Any, constraints: dict) -> Any:
 
 
 def agree_on_plan(plan: "ShardingPlan | None", model: "torch.nn.Module", grid: Grid, groups: GridGroups,
-                  device_type: str, fused_params: dict[str, Any], sharding: str) -> "ShardingPlan":
+                  device_type: str, fused_params: dict[str, Any], sharding: str,
+                  hbm_cap: int | None = None) -> "ShardingPlan":
     """`plan` if the job recorded one, else one made by global rank 0 and sent to every worker
-    (for launches without a driver: the local launcher, tests, benchmarks)."""
+    (for launches without a driver: the local launcher, tests, benchmarks). On CUDA the plan
+    fills rank 0's device memory unless `hbm_cap` says otherwise."""
     import torch.distributed as dist
 
     if plan is not None:
         return plan
-    box = [make_plan(model, grid, device_type, fused_params, sharding) if groups.coords.rank == 0 else None]
+    box = [make_plan(model, grid, device_type, fused_params, sharding, hbm_cap)
+           if groups.coords.rank == 0 else None]
     dist.broadcast_object_list(box, group=groups.global_pg, group_src=0)
     return box[0]
 
@@ -163,22 +187,25 @@ def _check_table_column_wise(plan: "ShardingPlan", group_size: int) -> None:
                 )
 
 
-def remap_plan(plan: "ShardingPlan", grid: Grid, groups: GridGroups, device: "torch.device") -> "ShardingPlan":
-    """A copy of `plan` with shard rank r replaced by the global rank of shard r in this worker's
-    sharding group. Placements are written `rank:R/cpu` on CPU (CPU shards reject `cpu:N`)."""
+def remap_plan(plan: "ShardingPlan", grid: Grid, sharding_group: int, device_type: str,
+               device_index: "dict[int, int] | None" = None) -> "ShardingPlan":
+    """A copy of `plan` with shard rank r replaced by the global rank of shard r in sharding group
+    `sharding_group`, and each shard placed on the device its worker really computes on
+    (`device_index`: global rank -> CUDA device index, as `device.device_indices` gathers it).
+    Placements are written `rank:R/cpu` on CPU (CPU shards reject `cpu:N`)."""
     from torch.distributed.remote_device import _remote_device
     from torchrec.distributed.types import EnumerableShardingSpec
 
     plan = copy.deepcopy(plan)
-    group = groups.coords.sharding_group
     for module_plan in plan.plan.values():
         for param_sharding in module_plan.values():  # type: ignore[union-attr]
-            param_sharding.ranks = [grid.global_rank(group, r) for r in param_sharding.ranks]
+            param_sharding.ranks = [grid.global_rank(sharding_group, r) for r in param_sharding.ranks]
             spec = param_sharding.sharding_spec
             if isinstance(spec, EnumerableShardingSpec):
                 for shard in spec.shards:
-                    rank = grid.global_rank(group, shard.placement.rank())
-                    shard.placement = _remote_device(placement(device, rank, grid.local_rank(rank)))
+                    rank = grid.global_rank(sharding_group, shard.placement.rank())
+                    index = None if device_index is None else device_index.get(rank)
+                    shard.placement = _remote_device(placement(device_type, rank, index))
     return plan
 
 
@@ -198,7 +225,10 @@ def shard_model(model: "torch.nn.Module", grid: Grid, groups: GridGroups, device
         node_group_size=grid.sharding_group_per_node,
         use_inter_host_allreduce=grid.layout == "inter-host",
     )
-    return DistributedModelParallel(model, env=env, device=device, plan=remap_plan(plan, grid, groups, device),
+    # each shard on the device its worker computes on, as the worker reads it (collective)
+    where = device_indices(groups.sharding_pg, device)
+    local_plan = remap_plan(plan, grid, groups.coords.sharding_group, device.type, where)
+    return DistributedModelParallel(model, env=env, device=device, plan=local_plan,
                                     sharders=[grid_sharder(fused_params)])
 
 
@@ -243,3 +273,21 @@ def _column_shard_dim(dim: int, group_size: int) -> int | None:
     """
     width = dim // group_size
     return width if dim % group_size == 0 and width >= 4 else None
+
+
+def watch_forwards(model: "torch.nn.Module") -> list[str]:
+    """Record how each sharded embedding module of `model` runs, one entry per call: "pipelined"
+    when TorchRec's train pipeline has swapped its forward for one of its pipelined forwards (the
+    input all-to-all started a step ahead), "plain" otherwise. The pipeline falls back to plain
+    forwards silently when it cannot rewrite a model; this is how a check sees that it did not."""
+    from torchrec.distributed.types import ShardedModule
+
+    calls: list[str] = []
+
+    def record(module: "torch.nn.Module", args: Any) -> None:
+        calls.append("pipelined" if type(module.forward).__name__.endswith("PipelinedForward") else "plain")
+
+    for m in model.modules():
+        if isinstance(m, ShardedModule):
+            m.register_forward_pre_hook(record)
+    return calls

@@ -2,8 +2,12 @@
 replica group (the M workers that hold the same shard). Nothing to do when M = 1.
 
 The tensors are the fused FBGEMM kernels' own storage (`split_embedding_weights()` and
-`get_optimizer_state()` return views), so an in-place all-reduce updates the model. They are
-all-reduced coalesced: one collective per dtype, not one per table.
+`get_optimizer_state()` return views), so an in-place all-reduce updates the model. fp32 tensors
+are summed coalesced in place (one collective per dtype, not one per table) and divided by M.
+Low-precision tensors (fp16, bf16 tables) are summed in fp32 buckets of at most `BUCKET_BYTES`,
+divided by M there and rounded back once: averaged in their own dtype, identical rows would
+drift (fp16(1/3) * 3 != 1, and the sum itself rounds), and a whole-shard fp32 copy would double
+the tables' memory. `align` broadcasts through buckets of the same bound, never a copy of the shard.
 
 Delayed moment sync (optional): at sync n the optimizer states are snapshotted and the
 snapshot's average is launched asynchronously; at sync n+1 each worker applies
@@ -23,6 +27,12 @@ from torch import nn
 from recgrid.engine.device import Stopwatch, stopwatch
 
 SyncHook = Callable[["ReplicaSync"], None]
+
+# The most bytes of staging buffer a replica sync or an `align` allocates at once (per collective
+# in flight): the bucket size of the fp32 averages of low-precision tables and of the broadcasts.
+BUCKET_BYTES = 64 * 2**20
+# Tables whose dtype cannot carry a sum of M copies without rounding: averaged in fp32.
+LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
 
 def embedding_kernels(model: nn.Module) -> list[nn.Module]:
@@ -137,16 +147,20 @@ class ReplicaSync:
         sync_every: K, steps between two syncs.
         delayed_moment_sync: average optimizer states one sync late, asynchronously.
         state: the counters and in-flight average, owned by the caller (the trainer's state).
+        bucket_bytes: the most staging memory one fp32 average of low-precision tables, or one
+            broadcast of `align`, allocates.
     """
 
     def __init__(self, model: nn.Module, replica_pg: dist.ProcessGroup, num_groups: int, sync_every: int,
-                 delayed_moment_sync: bool = False, state: SyncState | None = None) -> None:
+                 delayed_moment_sync: bool = False, state: SyncState | None = None,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every (K) must be >= 1, got {sync_every}")
         self.replica_pg = replica_pg
         self.num_groups = num_groups
         self.sync_every = sync_every
         self.delayed_moment_sync = delayed_moment_sync
+        self.bucket_bytes = bucket_bytes
         self.weights = embedding_weights(model)
         self.states = optimizer_states(model)
         self.state = state if state is not None else SyncState()
@@ -192,15 +206,12 @@ class ReplicaSync:
         """Copy weights and states from one member of each replica group to the others.
 
         Used at start (every sharding group initialises its shards independently) and to
-        rebuild a worker from its replica-group peers.
+        rebuild a worker from its replica-group peers. In place, through staging buckets of at
+        most `BUCKET_BYTES`: the extra memory does not grow with the shard.
         """
         if not self.enabled:
             return
-        for tensors in _by_dtype(self.weights + self.states).values():
-            flat = torch._utils._flatten_dense_tensors(tensors)
-            dist.broadcast(flat, group=self.replica_pg, group_src=src_replica_rank)
-            for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                t.copy_(synced)
+        broadcast_bucketed(self.weights + self.states, self.replica_pg, src_replica_rank, self.bucket_bytes)
 
     def close(self) -> None:
         """Let a delayed state average still in flight land (before the process groups go away)."""
@@ -219,22 +230,142 @@ class ReplicaSync:
         return _nbytes(averaged)
 
     def _all_reduce_avg(self, tensors: list[torch.Tensor]) -> int:
-        self._launch_avg(tensors).wait()
-        return _nbytes(tensors)
+        return average_(tensors, self.replica_pg, self.num_groups, self.bucket_bytes)
 
     def _launch_avg(self, tensors: list[torch.Tensor]) -> "_Works":
-        opts = dist.AllreduceCoalescedOptions()
-        opts.reduceOp = dist.ReduceOp.AVG
-        return _Works([self.replica_pg.allreduce_coalesced(group, opts) for group in _by_dtype(tensors).values()])
+        # the delayed state average: fp32 states (FBGEMM's moments), summed in place, asynchronously
+        return launch_average_(tensors, self.replica_pg, self.num_groups)
+
+
+def average_(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_size: int,
+             bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Replace each tensor by its mean over `pg` (`group_size` members), in place, and wait for it.
+
+    fp32 (and wider) tensors: summed in place, one coalesced collective per dtype, then divided.
+    fp16/bf16 tensors: copied into fp32 buckets of at most `bucket_bytes`, summed, divided by
+    `group_size` and rounded back once, so M identical copies stay bit-identical.
+    Returns the bytes this worker put into the all-reduce.
+    """
+    sent = 0
+    wide = [t for t in tensors if t.dtype not in LOW_PRECISION]
+    if wide:
+        launch_average_(wide, pg, group_size).wait()
+        sent += _nbytes(wide)
+    for dtype, group in _by_dtype([t for t in tensors if t.dtype in LOW_PRECISION]).items():
+        for bucket in _buckets(group, bucket_bytes // 4):
+            staging = torch.empty(sum(n for _, _, n in bucket), dtype=torch.float32, device=group[0].device)
+            _gather_into(staging, bucket)
+            _all_reduce(staging, pg, dist.ReduceOp.SUM).wait()
+            staging.div_(group_size)
+            _scatter_from(staging, bucket)  # rounds to fp16/bf16 once
+            sent += staging.numel() * staging.element_size()
+    return sent
+
+
+def launch_average_(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_size: int) -> "_Works":
+    """Start averaging fp32 (or wider) tensors over `pg` in place: a coalesced SUM per dtype, whose
+    `wait()` also divides by `group_size`. Low-precision tensors go through `average_`."""
+    low = sorted({str(t.dtype) for t in tensors if t.dtype in LOW_PRECISION})
+    if low:
+        raise ValueError(f"launch_average_ sums in the tensors' own dtype; {low} tensors must be averaged "
+                         f"by average_ (in fp32)")
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    groups = list(_by_dtype(tensors).values())
+    return _Works([pg.allreduce_coalesced(group, opts) for group in groups],
+                  after=[t for group in groups for t in group], divisor=group_size)
+
+
+def broadcast_bucketed(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_src: int,
+                       bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Broadcast `tensors` from member `group_src` of `pg` to the others, in place. A tensor of at
+    least `bucket_bytes` is broadcast as it is; smaller ones are packed into staging buffers of at
+    most `bucket_bytes` (per dtype), so the extra memory is one bucket, whatever the shard's size."""
+    for dtype, group in _by_dtype(tensors).items():
+        item = torch.empty((), dtype=dtype).element_size()
+        small = []
+        for t in group:
+            if t.numel() * item >= bucket_bytes:
+                dist.broadcast(_flat(t), group=pg, group_src=group_src)  # in place, no copy
+            else:
+                small.append(t)
+        for bucket in _buckets(small, max(1, bucket_bytes // item)):
+            staging = torch.empty(sum(n for _, _, n in bucket), dtype=dtype, device=group[0].device)
+            _gather_into(staging, bucket)
+            dist.broadcast(staging, group=pg, group_src=group_src)
+            _scatter_from(staging, bucket)
+
+
+# A piece of a tensor: (tensor, first element, element count) in its flattened order.
+_Piece = tuple[torch.Tensor, int, int]
+
+
+def _buckets(tensors: list[torch.Tensor], elements: int) -> list[list[_Piece]]:
+    """Cut the tensors (flattened, in order) into buckets of at most `elements` elements; a tensor
+    larger than a bucket is split over several."""
+    out: list[list[_Piece]] = []
+    bucket: list[_Piece] = []
+    room = elements
+    for t in tensors:
+        start, n = 0, t.numel()
+        while n > 0:
+            take = min(n, room)
+            bucket.append((t, start, take))
+            start, n, room = start + take, n - take, room - take
+            if room == 0:
+                out.append(bucket)
+                bucket, room = [], elements
+    if bucket:
+        out.append(bucket)
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    # kernel weights and states are contiguous views of the kernel's storage; a non-contiguous
+    # tensor would make reshape copy, and the copy-back below would be lost
+    if not t.is_contiguous():
+        raise ValueError(f"replica sync needs contiguous tensors, got one of shape {tuple(t.shape)} "
+                         f"and strides {t.stride()}")
+    return t.view(-1)
+
+
+def _gather_into(staging: torch.Tensor, bucket: list[_Piece]) -> None:
+    at = 0
+    for t, start, n in bucket:
+        staging[at:at + n].copy_(_flat(t)[start:start + n])
+        at += n
+
+
+def _scatter_from(staging: torch.Tensor, bucket: list[_Piece]) -> None:
+    at = 0
+    for t, start, n in bucket:
+        _flat(t)[start:start + n].copy_(staging[at:at + n])
+        at += n
+
+
+def _all_reduce(t: torch.Tensor, pg: dist.ProcessGroup, op: "dist.ReduceOp") -> "_Works":
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return _Works([pg.allreduce([t], opts)])
 
 
 @dataclass
 class _Works:
+    """Collectives in flight; `wait()` waits for them, then divides `after` by `divisor` (a SUM
+    that is an average once every member's part is in)."""
+
     works: list = field(default_factory=list)
+    after: list[torch.Tensor] = field(default_factory=list)
+    divisor: int = 1
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        self.works = []
+        if self.divisor != 1:
+            for t in self.after:
+                t.div_(self.divisor)
+        self.after = []
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:

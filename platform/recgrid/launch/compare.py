@@ -12,8 +12,17 @@ the same run `recgrid train` makes. The table compares, per configuration: QPS (
 logging intervals), peak and mean worker memory, lookup imbalance (median over intervals), the
 replica-sync share of step time (sync seconds / wall seconds over the run), eval NE and AUC, each
 also relative to M = 1 (percent change; the sync share in percentage points). Without M = 1 in
-the sweep, the smallest M is the reference and the table says so. The table is printed and
-stored on the parent run as `compare/table.csv`, `compare/table.md` and `compare/chart.png`.
+the sweep, the smallest M is the reference and the table says so. Each change is marked better or
+worse (QPS and AUC: higher is better; memory, imbalance, sync share and NE: lower), and a caveat
+under the table says how short and how few the runs were (one seed each: quality differences this
+small are within run-to-run noise). The table is printed and stored on the parent run as
+`compare/table.csv`, `compare/table.md` and `compare/chart.png` (every axis starts at zero).
+
+While the sweep runs, each configuration prints one line when it starts and one when it ends (its
+own summary table is not printed). A configuration that fails for its own reasons (it needs more
+memory than a worker has, a layout its M cannot take) is recorded and the sweep goes on; any other
+failure (the cluster, the data, the environment) stops the sweep there, since the next
+configuration would meet it too.
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import statistics
 import sys
 import tempfile
 import textwrap
@@ -44,6 +52,11 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("eval_ne", "eval NE", "{:.4f}", "pct"),
     ("eval_auc", "eval AUC", "{:.4f}", "pct"),
 )
+# which way is better, per column: +1 higher, -1 lower
+BETTER: dict[str, int] = {"qps": 1, "peak_memory_mib": -1, "mean_memory_mib": -1, "lookup_imbalance": -1,
+                          "sync_share": -1, "eval_ne": -1, "eval_auc": 1}
+# errors that belong to one configuration (the sweep goes on past them); any other stops it
+CONFIGURATION_FAULTS = ("ConfigError", "GridError", "TowerError", "OutOfMemoryError", "MemoryError")
 ARTIFACT_DIR = "compare"
 
 
@@ -155,7 +168,7 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
             g = v.config.build_grid()
             say(f"compare {i}/{len(variants)}: {v.label} (T={T} M={g.num_groups} L={g.group_size} "
                 f"K={v.sync_every}) starting")
-            result = run_job(v.config, parent_run_id=tracker.run_id)
+            result = run_job(v.config, parent_run_id=tracker.run_id, summary=False)
             if (result.error or "").startswith("KeyboardInterrupt"):  # run_job records Ctrl-C as a failure
                 raise KeyboardInterrupt
             results.append(result)
@@ -164,15 +177,23 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
                 + (f": QPS {m['train/qps_median']:,.0f}" if "train/qps_median" in m else "")
                 + (f", eval NE {m['eval/ne']:.4f}" if "eval/ne" in m else "")
                 + (f" ({result.error})" if result.error else ""))
-        rows = [table_row(v, r, tracker.client) for v, r in zip(variants, results)]
+            if result.status != "FINISHED" and not is_configuration_fault(result.error):
+                left = len(variants) - i
+                say(f"compare: stopping after {v.label}: its failure is not the configuration's own "
+                    f"({result.error}); the {left} configuration(s) after it would meet it too. Fix it and run again.")
+                break
+        ran = variants[:len(results)]
+        rows = [table_row(v, r, tracker.client) for v, r in zip(ran, results)]
         reference = reference_row(rows)
         add_relative(rows, reference)
-        markdown = markdown_table(rows, reference, reference_note(rows, reference))
+        markdown = markdown_table(rows, reference, reference_note(rows, reference) + "\n" + caveat(base, rows))
         store_artifacts(tracker, rows, reference, markdown, title=f"{base.tracking.experiment}: T={T}, global batch "
                         f"{T * base.train.batch_size}, {base.train.max_steps} steps")
         failed = [r for r in rows if r["status"] != "FINISHED"]
         if failed:  # the parent ends FAILED too, naming them
-            tracker.fail(f"{len(failed)} of {len(rows)} configurations failed: "
+            skipped = len(variants) - len(rows)
+            tracker.fail(f"{len(failed)} of {len(rows)} configurations run failed"
+                         + (f" (the sweep stopped; {skipped} not run)" if skipped else "") + ": "
                          + "; ".join(f"{r['config']}: {r['error']}" for r in failed))
     seconds = time.perf_counter() - t0
     print("\n" + f"recgrid compare: {name} ({tracker.run_id}), {seconds:,.0f} s\n\n{markdown}", flush=True)
@@ -196,7 +217,6 @@ def table_row(variant: Variant, result: Any, client: Any) -> dict[str, Any]:
             return []
         return [x.value for x in sorted(client.get_metric_history(result.run_id, key), key=lambda x: x.step)]
 
-    imbalance = history("imbalance/lookup_max_over_mean")
     sync_s, wall_s = history("time/sync_s"), history("time/interval_s")
     return {
         "config": variant.label, "run_id": result.run_id, "status": result.status, "error": result.error or "",
@@ -204,12 +224,27 @@ def table_row(variant: Variant, result: Any, client: Any) -> dict[str, Any]:
         "qps": m.get("train/qps_median"),
         "peak_memory_mib": m.get("memory/peak_mb_max"),
         "mean_memory_mib": m.get("memory/peak_mb_mean"),
-        "lookup_imbalance": statistics.median(imbalance) if imbalance else m.get("imbalance/lookup_max_over_mean"),
+        "lookup_imbalance": m.get("imbalance/lookup_max_over_mean_median"),  # the summary's statistic
         "sync_share": (sum(sync_s) / sum(wall_s)) if wall_s and sum(wall_s) > 0 else None,
         "eval_ne": m.get("eval/ne"),
         "eval_auc": m.get("eval/auc"),
         "seconds": result.seconds,
     }
+
+
+def is_configuration_fault(error: str | None) -> bool:
+    """Whether a configuration's error (JobResult.error, "Type: message") is its own: the sweep
+    goes on past those and stops at any other."""
+    return (error or "").split(":", 1)[0].strip() in CONFIGURATION_FAULTS
+
+
+def caveat(config: JobConfig, rows: list[dict[str, Any]]) -> str:
+    """What the table cannot show: every configuration ran once, with one seed, for max_steps."""
+    steps = config.train.max_steps
+    examples = steps * config.train.batch_size * config.grid.world_size
+    return (f"Caveat: each configuration ran once (train.seed={config.train.seed}) for {steps:,} steps "
+            f"({examples:,} examples); NE and AUC differences of a few percent at this length are within "
+            f"run-to-run noise: repeat with other seeds (--set train.seed=N) and longer runs before concluding.")
 
 
 def reference_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,7 +282,15 @@ def _cell(row: dict[str, Any], key: str, fmt: str, kind: str, is_reference: bool
         return f"{text} (ref)"
     if rel is None:
         return text
-    return f"{text} ({rel:+.1f} pp)" if kind == "pp" else f"{text} ({rel:+.2f}%)"
+    change = f"{rel:+.1f} pp" if kind == "pp" else f"{rel:+.2f}%"
+    return f"{text} ({change}{verdict(key, rel)})"
+
+
+def verdict(key: str, rel: float) -> str:
+    """', better' or ', worse' for a change of `rel` in column `key` ('' for no change)."""
+    if rel == 0:
+        return ""
+    return ", better" if (rel > 0) == (BETTER[key] > 0) else ", worse"
 
 
 def markdown_table(rows: list[dict[str, Any]], reference: dict[str, Any], note: str) -> str:
@@ -303,12 +346,11 @@ def chart(rows: list[dict[str, Any]], reference: dict[str, Any], path: Path, tit
                                                 (f"{rel:+.1f} pp" if kind == "pp" else f"{rel:+.1f}%"))
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=8, xytext=(0, 2), textcoords="offset points")
-        ax.set_title(header + (" %" if key == "sync_share" else ""), fontsize=10)
+        better = "higher" if BETTER[key] > 0 else "lower"
+        ax.set_title(header + (" %" if key == "sync_share" else "") + f" ({better} is better)", fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
-        if key in ("eval_ne", "eval_auc", "lookup_imbalance") and any(values):
-            low, high = min(v for v in values if v) * 0.98, max(values) * 1.01
-            ax.set_ylim(low, high)  # small differences are what matters here
         ax.margins(y=0.15)
+        ax.set_ylim(bottom=0)  # every axis starts at zero: a bar's height is its value, the label its change
     axes[-1].axis("off")
     axes[-1].text(0, 0.5, textwrap.fill(reference_note(rows, reference), 42), fontsize=9, va="center")
     fig.suptitle(title, fontsize=11)

@@ -65,9 +65,11 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0 if result.status == "FINISHED" else 1
 
 
-def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None = None) -> JobResult:
+def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None = None,
+            summary: bool = True) -> JobResult:
     """Run one training job end to end; its MLflow run ends FINISHED or FAILED with the error.
-    With `parent_run_id` the run is a child of that run (one configuration of `recgrid compare`).
+    With `parent_run_id` the run is a child of that run (one configuration of `recgrid compare`);
+    `summary=False` leaves the end-of-job table unprinted (`compare` prints one line per job).
 
     `on_start(actors)`, if given, is called once the job's actors exist (`JobActors`: tests and
     benchmarks watch the job and ask it to stop through them).
@@ -100,6 +102,8 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     metrics = dict(tracker.client.get_run(tracker.run_id).data.metrics)
     result = JobResult(tracker.run_id, "FINISHED", metrics, None, time.perf_counter() - t0, tracker.ui_command(),
                        status.get("events", []), status.get("attempts", []))
+    if not summary:
+        return result
     g = config.build_grid()
     heading = [("run", f"{config.run_name} ({result.run_id})"), ("status", result.status),
                ("grid", f"T={g.world_size} M={g.num_groups} L={g.group_size} K={config.grid.sync_every} "
@@ -129,32 +133,27 @@ def ensure_data(config: JobConfig) -> None:
 
 # ---- Ray --------------------------------------------------------------------------------------------
 def connect_ray(config: JobConfig) -> None:
-    """Join $RAY_ADDRESS if set, else start an embedded local cluster sized for the job."""
-    import ray
+    """Join $RAY_ADDRESS if set, else start recgrid's own local cluster sized for the job
+    (`recgrid.cluster`: never a stale or unrelated local cluster)."""
+    from recgrid.cluster import connect
 
-    if ray.is_initialized():
-        return
     # RUST_LOG: torchft's lighthouse and quorum servers log every round at INFO
     env_vars = {"PYTHONWARNINGS": "ignore", "TORCHREC_LOG_LEVEL": "ERROR", "RUST_LOG": "warn"}
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
+    if os.environ.get("RAY_ADDRESS"):
         if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
             # submitted with the Ray Job API: the job's own runtime env (working dir) carries the code
-            ray.init(address=address, log_to_driver=True)
+            connect(say=say, log_to_driver=True)
         else:
             # from outside the cluster: ship this package with the job; the image must hold the stack
             package = str(Path(__file__).resolve().parents[1])
-            ray.init(address=address, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
-        say(f"joined Ray cluster at {address}")
+            connect(say=say, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
         return
     T, per_worker = config.grid.world_size, config.train.cpus_per_worker
     # the workers' share, plus room for the driver-side actors and tasks
     num_cpus = max(os.cpu_count() or 1, math.ceil(T * per_worker + 1))
-    num_gpus = None if config.train.use_gpu else 0
     # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True,
-             runtime_env={"env_vars": env_vars}, logging_level="WARNING")
-    say(f"started a local Ray cluster: {num_cpus} logical CPUs for T={T} workers x {per_worker} CPU")
+    connect(num_cpus, num_gpus=None if config.train.use_gpu else 0, say=say, log_to_driver=True,
+            runtime_env={"env_vars": env_vars}, logging_level="WARNING")
 
 
 def storage_path(config: JobConfig) -> str:
@@ -181,7 +180,26 @@ def job_plan(config: JobConfig) -> Any:
         return tower_plan(engine.spec, engine.model, engine.towers, grid, device_type_for(config.train.use_gpu))
     model = build_model(engine.spec, engine.model, seed=engine.seed)
     return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
-                     engine.sharding)
+                     engine.sharding, hbm_cap=worker_gpu_memory() if config.train.use_gpu else None,
+                     may_sideline=config.sidelines_ranks)
+
+
+def worker_gpu_memory(timeout_s: float = 120.0) -> int:
+    """Bytes of memory of one of the cluster's GPUs (the planner's `hbm_cap`): this process's own
+    GPU, or, on a driver without one (a KubeRay head), read by a one-GPU Ray task."""
+    import ray
+
+    from recgrid.engine.device import device_memory_bytes, use_gpu_default
+
+    if use_gpu_default():
+        return device_memory_bytes()
+    task = ray.remote(num_gpus=1)(device_memory_bytes).remote()
+    ready, _ = ray.wait([task], timeout=timeout_s)
+    if not ready:
+        ray.cancel(task, force=True)
+        raise RuntimeError(f"train.use_gpu is set but no GPU of the Ray cluster ran a task within {timeout_s:.0f}s "
+                           f"to read its memory for the sharding planner; check that the cluster has GPU nodes")
+    return int(ray.get(task))
 
 
 def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[str, Any]:

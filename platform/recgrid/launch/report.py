@@ -47,7 +47,7 @@ SUMMARY = (
     ("train/step_time_s_median", "step time s (median of intervals)", "{:.4f}"),
     ("memory/peak_mb_max", "peak memory MiB (max worker)", "{:,.0f}"),
     ("memory/peak_mb_mean", "peak memory MiB (mean)", "{:,.0f}"),
-    ("imbalance/lookup_max_over_mean", "lookup imbalance max/mean", "{:.3f}"),
+    ("imbalance/lookup_max_over_mean_median", "lookup imbalance max/mean (median)", "{:.3f}"),
     ("sync/count", "replica syncs", "{:.0f}"),
     ("sync/seconds_total", "replica sync s (total)", "{:.3f}"),
     ("train/examples_total", "examples trained", "{:,.0f}"),

@@ -1,0 +1,515 @@
+"""Checks recgrid's GPU path on a machine with CUDA GPUs, and measures its training QPS.
+
+    .venv/bin/python bench/gpu_check.py [--dry-run] [--only CHECK ...] [--steps 40] [--qps-steps 50]
+                                        [--batch-per-gpu 4096] [--rows-cap N] [--out bench/results/gpu_check.json]
+
+T = the GPUs present (one worker per GPU, NCCL), M = 2 where T >= 2 (T even), else 1. Each check
+is one function below, named as `--dry-run` lists it; each records "pass", "fail" (with what it
+saw), "skip" (with why) or "error" (with the exception) and the figures it measured, and the
+script goes on to the next. Everything it needs is local: random Criteo-shaped batches and
+synthetic parquet files written to a temporary folder (no download; the wheels come from
+`make install ACCEL=cuda`).
+
+Writes the JSON (configuration, machine, per-check results) to --out and prints it.
+Exit status: 0 every check that ran passed, 1 some check failed or errored, 2 no CUDA device here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from recgrid.data.specs import get_spec
+from recgrid.engine.grid import Grid
+from recgrid.engine.model import ModelSpec
+from recgrid.launch.report import machine_info, write_result
+
+SMALL = get_spec("tiny")
+# Criteo Kaggle's 26 tables at dim 128, MLPerf DLRM's MLPs (bottom 512-256-128, top 1024-1024-512-256-1)
+MLPERF = ModelSpec(embedding_dim=128, dense_arch=(512, 256, 128), over_arch=(1024, 1024, 512, 256, 1))
+PRECISIONS = ("fp32", "tf32", "bf16")
+LOOPS = ("recgrid", "torchrec_plain", "torchrec_pipeline")
+
+
+# ---- running on every GPU ----------------------------------------------------------------------------
+def nccl_run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 1200) -> list[Any]:
+    """`fn(device, *args)` on `world_size` spawned processes, rank r on cuda:r of one NCCL group;
+    their results by rank (a failing rank's traceback is raised here)."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from recgrid.launch.local import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(port, r, world_size, q, fn, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < world_size:
+            try:
+                rank, ok, value = q.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"no result from ranks {sorted(set(range(world_size)) - set(got))} "
+                                   f"within {timeout_s:.0f}s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60 if len(got) == world_size else 1)
+            if p.is_alive():
+                p.terminate()
+    return [got[r] for r in range(world_size)]
+
+
+def _nccl_worker(port: int, rank: int, world_size: int, q: Any, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        from recgrid.engine.device import worker_device
+        from recgrid.launch.local import quiet_libraries
+
+        quiet_libraries()
+        device = worker_device(rank, use_gpu=True)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        value = fn(device, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - the parent raises it
+        q.put((rank, False, traceback.format_exc()))
+
+
+def _groups(T: int) -> int:
+    return 2 if T >= 2 and T % 2 == 0 else 1
+
+
+def _digest(tensors: list[torch.Tensor]) -> float:
+    return float(sum(t.double().sum() for t in tensors))
+
+
+# ---- the loop probe: checks 1-3 share one run ---------------------------------------------------------
+def loop_probe(device: torch.device, M: int, steps: int) -> dict:
+    """The plain loop, then the pipelined one (TorchRec's TrainPipelineSparseDist), on the same
+    batches at fp32 with K=2: losses, how the sharded modules ran, and per sync a shard digest."""
+    from recgrid.engine.sharding import watch_forwards
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    T, rank = dist.get_world_size(), dist.get_rank()
+    grid = Grid(T, M)
+    engine = EngineConfig(spec=SMALL, seed=3, precision="fp32", sync_every=2)
+    batches = list(itertools.islice(random_batches(SMALL, 512, seed=rank), steps))
+    out: dict[str, Any] = {"shard_rank": grid.coords(rank).shard_rank}
+    for name, pipeline in (("plain", False), ("pipelined", True)):
+        t = Trainer.build(grid, engine, device, pipeline=pipeline)
+        digests: list[float] = []
+        t.replica_sync.after_sync.append(lambda s, t=t, d=digests: d.append(_digest(t.shard_tensors())))
+        forwards = watch_forwards(t.model)
+        r = t.run(iter(batches), steps)
+        out[name] = {"losses": [float(x) for x in r.losses], "forwards": forwards, "digests": digests,
+                     "syncs": t.state.sync.count}
+        t.close()
+    return out
+
+
+@functools.cache
+def _loop_results(T: int, steps: int) -> tuple[int, list[dict]]:
+    M = _groups(T)
+    return M, nccl_run(loop_probe, T, M, steps)
+
+
+def check_pipeline_matches_plain(a: argparse.Namespace, T: int) -> dict:
+    """Pipelined and plain loops give the same losses (fp32, T GPUs, M=2 where T >= 2)."""
+    M, ranks = _loop_results(T, a.steps)
+    worst = max(abs(x - y) / max(1.0, abs(x)) for r in ranks
+                for x, y in zip(r["plain"]["losses"], r["pipelined"]["losses"]))
+    same_count = all(len(r["plain"]["losses"]) == len(r["pipelined"]["losses"]) == a.steps for r in ranks)
+    finite = all(math.isfinite(x) for r in ranks for x in r["pipelined"]["losses"])
+    ok = same_count and finite and worst <= 1e-4
+    return {"status": "pass" if ok else "fail", "T": T, "M": M, "steps": a.steps,
+            "max_relative_loss_difference": worst, "tolerance": 1e-4}
+
+
+def check_embeddings_really_pipelined(a: argparse.Namespace, T: int) -> dict:
+    """TorchRec's pipeline really ran the sharded embedding collection pipelined (it falls back silently)."""
+    M, ranks = _loop_results(T, a.steps)
+    kinds = [sorted(set(r["pipelined"]["forwards"])) for r in ranks]
+    calls = [len(r["pipelined"]["forwards"]) for r in ranks]
+    ok = all(k == ["pipelined"] for k in kinds) and all(c >= a.steps for c in calls)
+    return {"status": "pass" if ok else "fail", "forward_kinds_per_rank": kinds, "calls_per_rank": calls}
+
+
+def check_replica_digests_equal(a: argparse.Namespace, T: int) -> dict:
+    """After every replica sync, the M copies of each shard are identical (digests per replica group)."""
+    M, ranks = _loop_results(T, a.steps)
+    if M == 1:
+        return {"status": "skip", "why": "M = 1 with one GPU (or an odd T): there is no replica group to sync"}
+    bad = []
+    for loop in ("plain", "pipelined"):
+        by_shard: dict[int, list[list[float]]] = {}
+        for r in ranks:
+            by_shard.setdefault(r["shard_rank"], []).append(r[loop]["digests"])
+        for shard, copies in by_shard.items():
+            if any(c != copies[0] for c in copies) or not copies[0]:
+                bad.append({"loop": loop, "shard_rank": shard, "digests": copies})
+    syncs = ranks[0]["pipelined"]["syncs"]
+    return {"status": "pass" if not bad and syncs == a.steps // 2 else "fail", "M": M, "syncs": syncs,
+            "mismatches": bad}
+
+
+# ---- fp16 tables at M = 3 ---------------------------------------------------------------------------
+def fp16_probe(device: torch.device, steps: int) -> dict:
+    """T=3, M=3, K=1, fp16 tables: ids only in the lower half of every table, so the upper half
+    is never trained; it must come out of `steps` syncs bit-identical to where it started."""
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    T, rank = dist.get_world_size(), dist.get_rank()
+    spec = SMALL
+    engine = EngineConfig(spec=spec, model=ModelSpec(embedding_dtype="fp16"), seed=3, sync_every=1)
+    t = Trainer.build(Grid(T, T), engine, device)
+    weights = [w for w in t.shard_tensors() if w.dtype == torch.float16]
+    before = [w.detach().clone() for w in weights]
+    half = [max(1, r // 2) for r in spec.table_rows]
+
+    def lower_half(batch):
+        kjt = batch.sparse_features
+        caps = torch.tensor(half).repeat_interleave(kjt.lengths().view(len(half), -1).sum(1))
+        batch.sparse_features = type(kjt).from_lengths_sync(keys=kjt.keys(), values=kjt.values() % caps,
+                                                            lengths=kjt.lengths())
+        return batch
+
+    batches = [lower_half(b) for b in itertools.islice(random_batches(spec, 512, seed=rank), steps)]
+    t.run(iter(batches), steps)
+    moved = []
+    for i, (w, b) in enumerate(zip(weights, before)):
+        rows = w.shape[0]
+        # weights are per table in the fused kernels' order; a row of the upper half of every table
+        # is untouched when the table's ids were capped at half of its rows
+        upper = slice(rows // 2 + 1, rows) if rows > 2 else slice(rows, rows)
+        if not torch.equal(w[upper], b[upper]):
+            moved.append({"tensor": i, "max_abs_change": float((w[upper].float() - b[upper].float()).abs().max())})
+    out = {"syncs": t.state.sync.count, "fp16_tensors": len(weights), "moved": moved}
+    t.close()
+    return out
+
+
+def check_fp16_untouched_rows_unchanged(a: argparse.Namespace, T: int) -> dict:
+    """fp16 tables' rows that no batch touches are bit-identical after many syncs at M=3 (needs 3 GPUs)."""
+    if T < 3:
+        return {"status": "skip", "why": f"needs 3 GPUs for M=3, this machine has {T}"}
+    ranks = nccl_run(fp16_probe, 3, a.steps)
+    ok = all(not r["moved"] and r["fp16_tensors"] > 0 and r["syncs"] == a.steps for r in ranks)
+    return {"status": "pass" if ok else "fail", "T": 3, "M": 3, "syncs": ranks[0]["syncs"],
+            "moved_per_rank": [r["moved"] for r in ranks]}
+
+
+# ---- memory at start-up -----------------------------------------------------------------------------
+def memory_probe(device: torch.device, M: int, rows_cap: int) -> dict:
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    T = dist.get_world_size()
+    spec = get_spec("criteo_kaggle", rows_cap)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    t = Trainer.build(Grid(T, M), EngineConfig(spec=spec, model=MLPERF, seed=3), device)  # plans, shards, aligns
+    torch.cuda.synchronize(device)
+    shard = sum(x.numel() * x.element_size() for x in t.shard_tensors())
+    dense = sum(p.numel() * p.element_size() for n, p in t.model.named_parameters() if "embedding_bag" not in n)
+    out = {"peak_bytes": torch.cuda.max_memory_allocated(device) - base, "shard_bytes": shard, "dense_bytes": dense,
+           "held_bytes": torch.cuda.memory_allocated(device) - base}
+    t.close()
+    return out
+
+
+def check_startup_peak_memory(a: argparse.Namespace, T: int) -> dict:
+    """Peak device memory of start-up (plan, shard, align) stays near the shard's own bytes (no second copy)."""
+    M = _groups(T)
+    ranks = nccl_run(memory_probe, T, M, a.rows_cap)
+    ratios = [r["peak_bytes"] / max(1, r["shard_bytes"]) for r in ranks]
+    slack = 512 * 2**20
+    # a second copy of the shard (the old align's flat buffer) would put the peak at ~2x
+    ok = all(r["peak_bytes"] <= 1.25 * r["shard_bytes"] + 4 * r["dense_bytes"] + slack for r in ranks)
+    return {"status": "pass" if ok else "fail", "T": T, "M": M, "rows_cap": a.rows_cap,
+            "peak_over_shard_per_rank": [round(x, 3) for x in ratios], "per_rank": ranks}
+
+
+# ---- the device each Ray worker uses ----------------------------------------------------------------
+def _device_report(cfg: dict) -> None:
+    """Ray Train worker body: the device recgrid's workers choose (train/worker.py and train/ft.py
+    call `worker_device(local rank)`), against the device Ray assigned to this worker."""
+    import ray.train
+    import ray.train.torch
+
+    from recgrid.engine.device import worker_device
+
+    ctx = ray.train.get_context()
+    ours = worker_device(ctx.get_local_rank(), use_gpu=True)
+    ray_device = ray.train.torch.get_device()
+    row = {"rank": ctx.get_world_rank(), "local_rank": ctx.get_local_rank(), "ours": str(ours),
+           "current_device": torch.cuda.current_device(), "ray": str(ray_device),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    with open(os.path.join(cfg["dir"], f"{cfg['mode']}-{ctx.get_world_rank()}.json"), "w") as f:
+        json.dump(row, f)
+
+
+def check_device_matches_ray(a: argparse.Namespace, T: int) -> dict:
+    """Each Ray Train worker computes on the GPU Ray gave it: restart mode and torchft mode."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from recgrid.config import load_config
+    from recgrid.launch.ray import torch_config
+
+    out: dict[str, Any] = {}
+    ray.init(num_gpus=T, num_cpus=max(2, T + 1), logging_level="WARNING", include_dashboard=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in ("restart", "torchft"):
+                config = load_config(None, ["data.train=x/*.parquet", "train.use_gpu=true", f"grid.world_size={T}",
+                                            f"grid.num_groups={T}", f"train.fault_tolerance={mode}"])
+                try:
+                    TorchTrainer(_device_report, train_loop_config={"dir": tmp, "mode": mode},
+                                 scaling_config=ScalingConfig(num_workers=T, use_gpu=True,
+                                                              resources_per_worker={"CPU": 1, "GPU": 1}),
+                                 torch_config=torch_config(config),
+                                 run_config=RunConfig(name=f"gpu-check-{mode}", storage_path=tmp)).fit()
+                    rows = [json.load(open(os.path.join(tmp, f"{mode}-{r}.json"))) for r in range(T)]
+                    wrong = [r for r in rows if r["ours"] != r["ray"] or f"cuda:{r['current_device']}" != r["ray"]]
+                    out[mode] = {"workers": rows, "mismatches": len(wrong)}
+                except Exception as e:  # noqa: BLE001 - the other mode still runs
+                    out[mode] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        ray.shutdown()
+    ok = all(v.get("mismatches") == 0 for v in out.values())
+    return {"status": "pass" if ok else "fail", **out}
+
+
+# ---- evaluation precision ---------------------------------------------------------------------------
+def eval_probe(device: torch.device, eval_glob: str, steps: int) -> dict:
+    """A bf16 job trained `steps` steps; its evaluation (Trainer.evaluate) against the same model's
+    predictions computed in fp32 and under bf16 autocast."""
+    from recgrid.data.stream import scan_inputs
+    from recgrid.engine.device import autocast
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.metrics import EvalMetrics, reduce_metrics
+    from recgrid.train.trainer import EngineConfig, EvalData, Trainer
+
+    T, rank = dist.get_world_size(), dist.get_rank()
+    t = Trainer.build(Grid(T, 1), EngineConfig(spec=SMALL, seed=3, precision="bf16"), device)
+    t.run(itertools.islice(random_batches(SMALL, 1024, seed=rank), steps), steps)
+    data = EvalData(scan_inputs(eval_glob, SMALL), SMALL, 1024, rank, T)
+    ours = t.evaluate(data)
+
+    def by_hand(precision: str) -> dict:
+        evaluation, distinct = EvalMetrics(device=device), set()
+        t.model.eval()
+        with torch.no_grad():
+            for batch in data.batches():
+                with autocast(device, precision):
+                    _, (_, logits, labels) = t.model(batch.to(device))
+                p = torch.sigmoid(logits.float())
+                distinct.update(p.reshape(-1).tolist())
+                evaluation.update(p, labels)
+        t.model.train()
+        return {**reduce_metrics(t.groups.global_pg, evaluation=evaluation), "distinct_predictions": len(distinct)}
+
+    out = {"recgrid": ours, "fp32": by_hand("fp32"), "bf16": by_hand("bf16")}
+    t.close()
+    return out
+
+
+def check_eval_bf16_vs_fp32(a: argparse.Namespace, T: int) -> dict:
+    """A bf16 job's evaluation NE/AUC equal the fp32 evaluation's (bf16 predictions tie and shift NE)."""
+    from recgrid.data.synth import write_synth
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_synth(os.path.join(tmp, "eval"), 50_000, files=1, fmt="parquet", spec=SMALL, seed=1, stream=1)
+        ranks = nccl_run(eval_probe, 1, os.path.join(tmp, "eval", "*.parquet"), a.steps)
+    r = ranks[0]
+
+    def gap(x: dict, y: dict, key: str) -> float:
+        return abs(x.get(key, math.nan) - y.get(key, math.nan))
+
+    ok = gap(r["recgrid"], r["fp32"], "eval/ne") <= 1e-5 and gap(r["recgrid"], r["fp32"], "eval/auc") <= 1e-5
+    return {"status": "pass" if ok else "fail",
+            "ne": {k: r[k].get("eval/ne") for k in ("recgrid", "fp32", "bf16")},
+            "auc": {k: r[k].get("eval/auc") for k in ("recgrid", "fp32", "bf16")},
+            "auc_max_error": {k: r[k].get("eval/auc_max_error") for k in ("recgrid", "fp32", "bf16")},
+            "distinct_predictions": {k: r[k]["distinct_predictions"] for k in ("fp32", "bf16")}}
+
+
+# ---- training QPS: recgrid's loop against TorchRec's -------------------------------------------------
+def qps_probe(device: torch.device, loop: str, precision: str, batch: int, steps: int, rows_cap: int | None,
+              M: int) -> dict:
+    """Examples per second of one loop on Criteo Kaggle shapes (dim 128, MLPerf MLPs)."""
+    from recgrid.engine.device import autocast, configure_matmul, device_memory_bytes
+    from recgrid.engine.model import build_model
+    from recgrid.launch.smoke import random_batches
+
+    T, rank = dist.get_world_size(), dist.get_rank()
+    spec = get_spec("criteo_kaggle", rows_cap)
+    configure_matmul(device, precision)
+    pool = [b.pin_memory() for b in itertools.islice(random_batches(spec, batch, seed=rank), 16)]
+    warmup = 10
+
+    if loop == "recgrid":
+        from recgrid.train.trainer import EngineConfig, Trainer
+
+        t = Trainer.build(Grid(T, M), EngineConfig(spec=spec, model=MLPERF, seed=3, precision=precision), device)
+        t.run(itertools.cycle(pool), warmup)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        t.run(itertools.cycle(pool), warmup + steps)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        t.close()
+    else:
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.distributed.types import ShardingEnv
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
+
+        model = build_model(spec, MLPERF, seed=3, dense_device=device)
+        sharder = EmbeddingBagCollectionSharder(fused_params=MomentScaledRowWiseAdagrad(moment_scale=1).fused_params())
+        topology = Topology(world_size=T, compute_device="cuda", hbm_cap=device_memory_bytes(device))
+        plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], dist.group.WORLD)
+        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
+                                       plan=plan, sharders=[sharder])
+        opt = torch.optim.Adagrad([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], lr=0.01)
+
+        def forward(b):
+            with autocast(device, precision):
+                return dmp(b)
+
+        if loop == "torchrec_plain":
+            def step(it):
+                b = next(it).to(device, non_blocking=True)
+                opt.zero_grad()
+                loss, _ = forward(b)
+                loss.backward()
+                opt.step()
+        else:
+            pipe = TrainPipelineSparseDist(dmp, opt, device, custom_model_fwd=forward)
+
+            def step(it):
+                pipe.progress(it)
+        it = itertools.cycle(pool)
+        for _ in range(warmup):
+            step(it)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(it)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "examples": batch * T * steps}
+
+
+def check_training_qps(a: argparse.Namespace, T: int) -> dict:
+    """Training QPS: recgrid's loop vs a bare TorchRec loop vs TrainPipelineSparseDist (fp32/TF32/bf16)."""
+    rows = []
+    M = 1  # TorchRec's loops are M = 1: the same model, the same parallelism
+    for precision in PRECISIONS:
+        for loop in LOOPS:
+            try:
+                ranks = nccl_run(qps_probe, T, loop, precision, a.batch_per_gpu, a.qps_steps, a.rows_cap, M)
+                seconds = max(r["seconds"] for r in ranks)
+                rows.append({"loop": loop, "precision": precision, "M": M,
+                             "qps": round(ranks[0]["examples"] / seconds, 1),
+                             "step_seconds": round(seconds / a.qps_steps, 6)})
+            except Exception as e:  # noqa: BLE001 - the other loops still run
+                rows.append({"loop": loop, "precision": precision, "error": f"{type(e).__name__}: {e}"[-2000:]})
+    by = {(r["loop"], r["precision"]): r.get("qps") for r in rows}
+    vs = {p: {"recgrid_over_torchrec_pipeline": (by[("recgrid", p)] / by[("torchrec_pipeline", p)])
+              if by.get(("recgrid", p)) and by.get(("torchrec_pipeline", p)) else None} for p in PRECISIONS}
+    ok = all("error" not in r for r in rows)
+    return {"status": "pass" if ok else "error", "T": T, "batch_per_gpu": a.batch_per_gpu, "steps": a.qps_steps,
+            "rows_cap": a.rows_cap, "spec": "criteo_kaggle", "model": "dlrm dim 128, bottom 512-256-128, "
+            "top 1024-1024-512-256-1", "runs": rows, "ratios": vs}
+
+
+CHECKS: list[tuple[str, Callable[[argparse.Namespace, int], dict]]] = [
+    ("pipeline_matches_plain", check_pipeline_matches_plain),
+    ("embeddings_really_pipelined", check_embeddings_really_pipelined),
+    ("replica_digests_equal", check_replica_digests_equal),
+    ("fp16_untouched_rows_unchanged", check_fp16_untouched_rows_unchanged),
+    ("startup_peak_memory", check_startup_peak_memory),
+    ("device_matches_ray", check_device_matches_ray),
+    ("eval_bf16_vs_fp32", check_eval_bf16_vs_fp32),
+    ("training_qps", check_training_qps),
+]
+
+
+def describe(fn: Callable) -> str:
+    return (fn.__doc__ or "").strip().splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="list the checks and exit")
+    ap.add_argument("--only", nargs="+", choices=[n for n, _ in CHECKS], help="run these checks only")
+    ap.add_argument("--steps", type=int, default=40, help="training steps of the correctness checks")
+    ap.add_argument("--qps-steps", type=int, default=50, help="measured steps per QPS run (after 10 warm-up)")
+    ap.add_argument("--batch-per-gpu", type=int, default=4096)
+    ap.add_argument("--rows-cap", type=int, default=None,
+                    help="cap Criteo Kaggle's tables at this many rows (memory and QPS checks); default: full size")
+    ap.add_argument("--out", default="bench/results/gpu_check.json")
+    a = ap.parse_args(argv)
+    chosen = [(n, f) for n, f in CHECKS if not a.only or n in a.only]
+    if a.dry_run:
+        for name, fn in chosen:
+            print(f"{name}: {describe(fn)}")
+        return 0
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with GPUs.",
+              file=sys.stderr)
+        return 2
+    T = torch.cuda.device_count()
+    results: dict[str, dict] = {}
+    for name, fn in chosen:
+        t0 = time.perf_counter()
+        try:
+            res = fn(a, T)
+        except Exception:  # noqa: BLE001 - every check gets its line
+            res = {"status": "error", "error": traceback.format_exc()[-4000:]}
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        results[name] = res
+        print(f"{name}: {res['status']} ({res['seconds']} s)", file=sys.stderr, flush=True)
+    result = {
+        "benchmark": "gpu_check",
+        "configuration": {"gpus": T, "steps": a.steps, "qps_steps": a.qps_steps, "batch_per_gpu": a.batch_per_gpu,
+                          "rows_cap": a.rows_cap, "checks": [n for n, _ in chosen]},
+        "machine": machine_info(),
+        "checks": results,
+    }
+    write_result(a.out, result)
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["status"] in ("pass", "skip") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

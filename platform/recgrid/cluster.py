@@ -1,0 +1,44 @@
+"""Joining Ray, or starting recgrid's own local Ray cluster: the one place every command
+(`train`, `compare`, `prepare`) connects from.
+
+With `$RAY_ADDRESS` set the command joins that cluster and passes no resources (a cluster that
+exists decides its own). Without it the command always starts a local cluster of its own
+(`address="local"`), sized for the work, and says so: Ray's default would instead join the
+cluster named in its temp directory's `ray_current_cluster` file, which outlives a local
+cluster that died (then `ray.init` fails with "When connecting to an existing cluster, num_cpus
+and num_gpus must not be provided") and which names a live `ray start` cluster whose resources a
+local job must not assume.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be joined or started; the message says what to change."""
+
+
+def connect(num_cpus: float | None = None, *, num_gpus: int | None = None, say: Callable[[str], None] = print,
+            **init_kwargs: Any) -> bool:
+    """Join `$RAY_ADDRESS` or start a local cluster with `num_cpus` logical CPUs (default: the
+    machine's cores). Returns True when this call started or joined Ray (the caller shuts it
+    down), False when Ray was already initialised in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address, **init_kwargs)
+            say(f"joined Ray cluster at {address}")
+            return True
+        cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, **init_kwargs)
+    except ConnectionError as e:
+        raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {e}; "
+                           f"check the address, or unset RAY_ADDRESS to run on a local cluster of recgrid's own") from None
+    say(f"started a local Ray cluster of its own: {cpus:g} logical CPUs (set RAY_ADDRESS to use an existing one)")
+    return True
