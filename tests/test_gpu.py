@@ -73,6 +73,7 @@ def test_unknown_precisions_are_refused():
 
 def test_engine_config_carries_precision_and_table_dtype():
     from recgrid.engine.device import resolve_precision
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
     e = EngineConfig.from_job(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))
@@ -475,9 +476,10 @@ def _gpu_two_groups(device, steps: int) -> dict:
 
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
-    engine = EngineConfig(spec=SPEC, seed=2, precision="fp32", sync_every=2)
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2, precision="fp32", sync_every=2)
     batches = list(itertools.islice(random_batches(SPEC, 256, seed=dist.get_rank()), steps))
     out = {}
     for name, pipeline in (("plain", False), ("pipelined", True)):
