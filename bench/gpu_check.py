@@ -399,7 +399,7 @@ def qps_probe(device: torch.device, loop: str, precision: str, batch: int, steps
         from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 
         model = build_model(spec, MLPERF, seed=3, dense_device=device)
-        sharder = EmbeddingBagCollectionSharder(fused_params=MomentScaledRowWiseAdagrad(moment_scale=1).fused_params())
+        sharder = EmbeddingBagCollectionSharder(fused_params=MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=1).fused_params())
         topology = Topology(world_size=T, compute_device="cuda", hbm_cap=device_memory_bytes(device))
         plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], dist.group.WORLD)
         dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,

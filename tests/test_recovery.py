@@ -28,7 +28,7 @@ from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 from recgrid.engine.sharding import make_plan, plan_record
 plan = make_plan(build_model(get_spec("tiny"), ModelSpec()), Grid(4, 2), "cpu",
-                 MomentScaledRowWiseAdagrad(moment_scale=2).fused_params(), "auto")
+                 MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=2).fused_params(), "auto")
 print(json.dumps(plan_record(plan), sort_keys=True))
 """
 
