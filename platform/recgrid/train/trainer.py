@@ -427,11 +427,6 @@ class Trainer:
         timer.add("dense", max(0.0, out.seconds - timer.seconds["lookup"] + self._lookup_before))
         return out
 
-    @property
-    def at_sync_point(self) -> bool:
-        """Whether the last step ended a sync interval (the replicas are identical after it)."""
-        return self.state.step % self.config.sync_every == 0
-
     # ---- steps: the plain loop and the pipelined one -----------------------------------------------
     def _steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
         """Take up to `n` steps on `batches`, yielding `(output, the batch it trained)` after each
