@@ -5,24 +5,34 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # cpu or cuda: a machine whose nvidia-smi lists a GPU gets the CUDA builds of the same versions.
 ACCEL  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
-TORCH_INDEX_URL ?=
+# PyTorch's wheel index for this ACCEL: the torch step reads it alone (no second index)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(if $(filter cuda,$(ACCEL)),cu128,cpu)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
+# every file whose pins carry hashes installs in hash-checking mode: a file that changed on an index
+# (or a dependency nobody pinned) fails the install. torch-cuda.txt has none yet (requirements/README.md).
+HASHES  = $(if $(shell grep -l -- '--hash=sha256:' $(1) 2>/dev/null),--require-hashes)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench smoke clean
+.PHONY: install test demo bench smoke clean lock
 install: $(STAMP)
 
-$(STAMP): requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt pyproject.toml
+$(STAMP): requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "[install] torch + fbgemm ($(ACCEL)) ..."
-	$(PIP) $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL)) -r requirements/torch-$(ACCEL).txt
-	@echo "[install] torchrec (--no-deps) ..."
-	$(PIP) --no-deps -r requirements/nodeps.txt
-	@echo "[install] ray, mlflow and the rest (pinned) ..."
-	$(PIP) -r requirements/lock.txt
-	$(PIP) --no-deps -e .
+	@echo "[install] torch ($(ACCEL), from $(TORCH_INDEX_URL)) ..."
+	$(PIP) $(call HASHES,requirements/torch-$(ACCEL).txt) $(if $(filter cpu,$(ACCEL)),--no-deps) --index-url $(TORCH_INDEX_URL) -r requirements/torch-$(ACCEL).txt
+	@echo "[install] fbgemm, torchrec (--no-deps) ..."
+	$(PIP) --require-hashes --no-deps -r requirements/nodeps.txt $(if $(filter cpu,$(ACCEL)),-r requirements/fbgemm-cpu.txt,-r requirements/gpu-tools.txt)
+	@echo "[install] ray, mlflow and the rest (pinned, hash-checked) ..."
+	$(PIP) --require-hashes -r requirements/lock.txt
+	$(PIP) --no-deps --no-build-isolation -e .
+	@# every installed distribution's requirements are met (but torchrec's fbgemm-gpu: fbgemm-gpu-cpu on CPU)
+	! $(BIN)/python -m pip check | grep -v -e '^torchrec [^ ]* requires fbgemm-gpu, which is not installed' -e '^No broken requirements'
 	$(BIN)/python -c "import torch, fbgemm_gpu, torchrec, ray, mlflow; print('[install] ok: torch', torch.__version__, '| ray', ray.__version__, '| mlflow', mlflow.__version__)"
 	@touch $@
+
+# rewrite the hashes of requirements/*.txt from the indexes (after editing a version there)
+lock: install
+	$(BIN)/python requirements/lock.py
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

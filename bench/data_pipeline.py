@@ -1,4 +1,5 @@
-"""Data pipeline benchmark: prepare against pyarrow's own CSV parse, and what the stream delivers.
+"""Data pipeline benchmark: prepare against pyarrow's own CSV parse, the input path per CPU core
+against pyarrow's bare parquet read, and training fed by Ray Data against training fed from memory.
 
 Writes bench/results/data_pipeline.json (configuration, machine, figures) and prints it.
 
@@ -7,14 +8,18 @@ Figures:
   parse_transform    recgrid's parse + validate + transform, in process, one core (no write)
   prepare_one_core   one prepare unit's work in process (parse, transform, parquet write)
   prepare_ray        `prepare` on Ray Data over all cores: rows/s, rows/s per core, and the
-                     ratio per core against pyarrow_csv (the issue's prepare-vs-pyarrow figure)
-  collate            numpy batch -> torchrec Batch alone
-  stream_*           rows/s of read_dataset -> iter_batches (stream + collate) per consumer,
-                     for prepared parquet and raw TSV, one consumer and T consumers (Ray actors)
-  training_qps       stream-vs-memory and units-vs-memory QPS of the 2-D training loop (see
-                     measure_training_qps)
+                     ratio per core against pyarrow_csv
+  input_per_core     prepared parquet -> ready batches on one core, one-hot and multi-hot: the
+                     work of a read task (read the units' rows, collate) and of the training
+                     process (wrap into torchrec Batches), each stage timed, beside
+                     pyarrow.parquet's bare read of the same files (the limit)
+  ray_stream         rows/s of one worker's stream through Ray Data (`ray_batches`, the training
+                     path) over every file, and Ray Data's own per-operator stats
+  training_qps       stream_over_memory: QPS of the 2-D training loop fed by Ray Data over QPS
+                     fed from memory (see measure_training_qps)
 
 Usage: .venv/bin/python bench/data_pipeline.py [--rows N] [--files F] [--workers T] [--batch-size B]
+       .venv/bin/python bench/data_pipeline.py --training-only   # prints stream_over_memory only
 """
 
 from __future__ import annotations
@@ -94,164 +99,186 @@ def bench_prepare_ray(files: list[str], out: str, rows: int, spec, pyarrow_rate:
             "shards": r.shards_written}
 
 
-def bench_collate(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict:
+def bench_input_per_core(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict:
+    """One core's work from prepared parquet to ready batches, stage by stage (no Ray)."""
     import pyarrow.parquet as pq
 
-    from recgrid.data.criteo import PREPARED_SCHEMA
-    from recgrid.data.stream import Collator
+    from recgrid.data.stream import read_task_table, batches_of_block, collate_block, read_tasks, scan_inputs
 
-    t = pq.read_table(sorted(os.path.join(prepared_dir, n) for n in os.listdir(prepared_dir))[0])
-    cols = {n: t.column(n).to_numpy() for n in PREPARED_SCHEMA.names}
-    n = (len(t) // batch_size) * batch_size
-    out = {}
+    inputs = scan_inputs(prepared_dir, spec)
+    rows = inputs.total_rows - inputs.total_rows % batch_size
+    tasks = read_tasks(inputs.units(), batch_size)  # what the training path's read tasks read
+    t_bare = best_of(lambda: [pq.read_table(p, use_threads=False) for p in inputs.files], repeat)
+    blocks = []
+
+    def read():
+        blocks.clear()
+        for task in tasks:
+            (table,) = read_task_table(inputs, task, spec)
+            blocks.append({n: table.column(n).to_numpy() for n in table.column_names})
+
+    t_read = best_of(read, repeat)
+    out = {"rows": rows, "batch_size": batch_size, "rows_per_task": sum(u.rows for u in tasks[0]),
+           "pyarrow_read_parquet": {"rows_per_s_per_core": rows / t_bare}}
     for name, s in (("one_hot", spec), ("multi_hot", spec.with_multi_hot())):
-        collator = Collator(s)
+        collated = []
 
-        def run():
-            for i in range(0, n, batch_size):
-                collator({k: v[i:i + batch_size] for k, v in cols.items()})
+        def collate():
+            collated.clear()
+            collated.extend(collate_block(b, s, batch_size) for b in blocks)
 
-        out[name] = {"rows_per_s": n / best_of(run, repeat)}
+        t_collate = best_of(collate, repeat)
+        sum(1 for _ in batches_of_block(collated[0]))  # warm-up: torch and torchrec imported once
+        t_wrap = best_of(lambda: [sum(1 for _ in batches_of_block(b)) for b in collated], repeat)
+        total = t_read + t_collate
+        out[name] = {
+            "rows_per_s_per_core": rows / total,  # a read task's work: read + collate
+            "ratio_to_pyarrow_read": t_bare / total,
+            "seconds_per_million_rows": {"read": 1e6 * t_read / rows, "collate": 1e6 * t_collate / rows,
+                                         "training_process_wrap": 1e6 * t_wrap / rows},
+            "training_process_rows_per_s": rows / t_wrap,
+        }
     return out
 
 
-def bench_stream_one(paths, spec, batch_size: int, repeat: int) -> dict:
-    from recgrid.data.stream import iter_batches, read_dataset
+def bench_ray_stream(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict:
+    """One worker's stream through Ray Data over every file: rows/s into the consumer, and Ray
+    Data's stats of the last pass (where its time goes, per operator)."""
+    from recgrid.data.stream import ray_batches, scan_inputs
 
-    ds = read_dataset(paths, spec)
-    for _ in iter_batches(ds, batch_size, spec):  # warm-up pass: worker processes, imports, page cache
-        pass
-    rows = sum(len(b.labels) for b in iter_batches(ds, batch_size, spec))
-    dt = best_of(lambda: sum(1 for _ in iter_batches(ds, batch_size, spec)), repeat)
-    return {"rows": rows, "seconds": dt, "rows_per_s": rows / dt}
-
-
-def bench_stream_workers(paths, spec, batch_size: int, workers: int, repeat: int) -> dict:
-    import ray
-
-    from recgrid.data.stream import read_dataset, worker_streams
-
-    @ray.remote(num_cpus=0.25)
-    class Consumer:
-        def run(self, stream, spec, batch_size):
-            from recgrid.data.stream import iter_batches
-
-            t = time.perf_counter()
-            rows = sum(len(b.labels) for b in iter_batches(stream, batch_size, spec))
-            return rows, time.perf_counter() - t
-
-    consumers = [Consumer.remote() for _ in range(workers)]
-    streams = worker_streams(read_dataset(paths, spec), workers)
-    ray.get([c.run.remote(s, spec, batch_size) for c, s in zip(consumers, streams)])  # warm-up epoch
-    wall, res = float("inf"), None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        r = ray.get([c.run.remote(s, spec, batch_size) for c, s in zip(consumers, streams)])
-        if time.perf_counter() - t < wall:
-            wall, res = time.perf_counter() - t, r
-    for c in consumers:
-        ray.kill(c)
-    rows = [r for r, _ in res]
-    return {"workers": workers, "rows_per_worker": rows, "seconds": wall, "rows_per_s_total": sum(rows) / wall,
-            "rows_per_s_per_worker": sum(rows) / wall / workers}
+    inputs = scan_inputs(prepared_dir, spec)
+    out = {}
+    for name, s in (("one_hot", spec), ("multi_hot", spec.with_multi_hot())):
+        stats: list[str] = []
+        sum(1 for _ in ray_batches(inputs, inputs.units(), s, batch_size))  # warm-up: worker processes, imports
+        rows = (inputs.total_rows // batch_size) * batch_size
+        dt = best_of(lambda: sum(1 for _ in ray_batches(inputs, inputs.units(), s, batch_size, stats=stats)), repeat)
+        out[name] = {"rows": rows, "seconds": dt, "rows_per_s": rows / dt, "ray_data_stats": stats[-1].splitlines()}
+    return out
 
 
 def _qps_worker(cfg: dict) -> None:
-    """One Ray Train worker: the same 2-D loop fed from the stream, then from memory."""
+    """One Ray Train worker: the same 2-D loop fed from memory, then from its Ray Data stream."""
     import itertools
 
     import ray.train
     import torch
 
-    from recgrid.data.stream import iter_batches, memory_batches
+    from recgrid.data.stream import local_batches, ray_batches
+    from recgrid.data.units import DataCursor, EpochPlan
     from recgrid.engine.grid import Grid
     from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     ctx = ray.train.get_context()
     torch.set_num_threads(1)
-    grid = Grid(ctx.get_world_size(), cfg["num_groups"])
+    rank, T = ctx.get_world_rank(), ctx.get_world_size()
+    grid = Grid(T, cfg["num_groups"])
     spec, B, warmup, steps = cfg["spec"], cfg["batch_size"], cfg["warmup"], cfg["steps"]
     state = Trainer.build(grid, EngineConfig.from_job(defaults(), spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
-    shard = ray.train.get_dataset_shard("train")
+    part = EpochPlan(cfg["inputs"], seed=0, batch_size=B).segment(DataCursor(), T).part(rank)
 
     def timed(batches) -> dict:
         state.run(batches, state.state.step + warmup)
         result = state.run(batches, state.state.step + steps)
         return {"steps": result.steps, "seconds": result.wall_seconds, "phase_seconds": result.phase_seconds}
 
-    # this worker's rows of one pass, collated before the clock starts
-    held = memory_batches(shard, B, spec)
-    memory = timed(itertools.cycle(held))
-    stream = timed(iter(iter_batches(shard, B, spec)))
-    # the trainer's own input: this worker's part of the epoch plan, read by its prefetch thread
-    from recgrid.data.stream import unit_batches
-    from recgrid.data.units import DataCursor, EpochPlan
-
-    seg = EpochPlan(cfg["inputs"], seed=0, batch_size=B).segment(DataCursor(), ctx.get_world_size())
-    units = timed(unit_batches(cfg["inputs"], seg.part(ctx.get_world_rank()), spec, B))
-    for name, got in (("stream", stream), ("units", units)):
-        if got["steps"] < steps:
-            raise RuntimeError(f"the {name} input ran out after {got['steps']} timed steps; give the benchmark more rows")
-    with open(os.path.join(cfg["out"], f"rank{ctx.get_world_rank()}.json"), "w") as f:
-        json.dump({"stream": stream, "memory": memory, "units": units}, f)
+    # this worker's rows, collated before the clock starts
+    held = list(local_batches(cfg["inputs"], part, spec, B))
+    best: dict = {}
+    for _ in range(cfg["rounds"]):  # the modes take turns: a burst of load elsewhere hits both alike
+        memory = timed(itertools.cycle(held))
+        # the training path: this worker's part of the epoch plan, out of Ray Data
+        stream = timed(ray_batches(cfg["inputs"], part, spec, B))
+        if stream["steps"] < steps:
+            raise RuntimeError(f"the stream ran out after {stream['steps']} timed steps; give the benchmark more rows")
+        for mode, got in (("memory", memory), ("stream", stream)):
+            if mode not in best or got["seconds"] < best[mode]["seconds"]:
+                best[mode] = got
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(best, f)
 
 
 def measure_training_qps(spec, paths, batch_size: int, workers: int, num_groups: int = 2, sync_every: int = 5,
-                         warmup: int = 20, steps: int = 100) -> dict:
-    """Stream-vs-memory QPS of the 2-D training loop (goal: ratio >= 0.9).
+                         warmup: int = 20, steps: int = 100, rounds: int = 2) -> dict:
+    """Stream-vs-memory QPS of the 2-D training loop (goal: stream_over_memory >= 0.9).
 
-    One Ray Train job, T workers, M sharding groups: each worker runs the same loop three times on
-    the same model, `warmup` + `steps` steps fed from batches of its own rows held in memory,
-    then from its Ray Data stream (`get_dataset_shard` -> `iter_batches`), then from its part of
-    the epoch plan read by the trainer's own prefetching reader (`unit_batches`: the production
-    path since training became resumable). QPS = T * batch_size * steps / the slowest worker's
-    seconds.
+    One Ray Train job, T workers at 0.5 CPU, M sharding groups: each worker runs the same loop
+    on the same model, `warmup` + `steps` steps fed from batches of its own rows held in memory,
+    then fed by Ray Data (`ray_batches` over its part of the epoch plan: the production path,
+    read tasks reserving a quarter CPU each), `rounds` times in turn; each mode's fastest round
+    counts. QPS = T * batch_size * steps / the slowest worker's seconds.
     """
-    import ray.train
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from recgrid.data.stream import read_dataset, scan_inputs
+    from recgrid.data.stream import scan_inputs
 
     out = tempfile.mkdtemp(prefix="recgrid-bench-qps-")
     trainer = TorchTrainer(
         _qps_worker,
         train_loop_config={"spec": spec, "batch_size": batch_size, "num_groups": num_groups, "sync_every": sync_every,
-                           "warmup": warmup, "steps": steps, "out": out, "inputs": scan_inputs(paths, spec)},
+                           "warmup": warmup, "steps": steps, "rounds": rounds, "out": out,
+                           "inputs": scan_inputs(paths, spec)},
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=os.path.join(out, "ray")),
-        datasets={"train": read_dataset(paths, spec)},
     )
     trainer.fit()
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(workers)]
     shutil.rmtree(out, ignore_errors=True)
     figures: dict = {"T": workers, "M": num_groups, "K": sync_every, "batch_size_per_worker": batch_size,
-                     "steps": steps, "warmup": warmup}
-    for mode in ("stream", "memory", "units"):
+                     "steps": steps, "warmup": warmup, "rounds": rounds}
+    for mode in ("stream", "memory"):
         slowest = max(r[mode]["seconds"] for r in ranks)
         figures[f"qps_{mode}"] = workers * batch_size * min(r[mode]["steps"] for r in ranks) / slowest
         # where a step's time goes, mean over workers: compute slowed by contention vs waiting for data
         figures[f"ms_per_step_{mode}"] = {
             phase: round(1000 * sum(r[mode]["phase_seconds"][phase] for r in ranks) / len(ranks) / steps, 2)
             for phase in ("data_wait", "lookup", "dense", "sync")}
-    figures["ratio"] = figures["qps_stream"] / figures["qps_memory"]
-    figures["ratio_units"] = figures["qps_units"] / figures["qps_memory"]  # the trainer's own input
+    figures["stream_over_memory"] = figures["qps_stream"] / figures["qps_memory"]
     return figures
+
+
+def training_only(args) -> dict:
+    """The demo job's shapes (jobs/local_demo.yaml: spec tiny, T=4, M=2, K=5, 256 rows per
+    worker) on prepared synthetic parquet, on a local Ray cluster of this machine."""
+    import ray
+
+    from recgrid.data.specs import get_spec
+    from recgrid.data.synth import write_synth
+
+    spec = get_spec("tiny")
+    work = tempfile.mkdtemp(prefix="recgrid-bench-qps-data-")
+    try:
+        rows = args.workers * 256 * 140  # warm-up + timed steps of every worker, and some to spare
+        prepared = write_synth(os.path.join(work, "prepared"), rows, args.files, "parquet", spec, seed=0)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
+        try:
+            return measure_training_qps(spec, prepared, 256, args.workers, num_groups=2, sync_every=5)
+        finally:
+            ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000, help="raw rows, split over --files files")
     ap.add_argument("--files", type=int, default=4)
-    ap.add_argument("--workers", type=int, default=4, help="T, consumers of the split stream")
+    ap.add_argument("--workers", type=int, default=4, help="T, training workers")
     ap.add_argument("--batch-size", type=int, default=512, help="per-worker batch size")
     ap.add_argument("--spec", default="tiny")
     ap.add_argument("--repeat", type=int, default=2, help="runs per figure; the fastest counts")
+    ap.add_argument("--training-only", action="store_true",
+                    help="only the training QPS fed by Ray Data over fed from memory (demo model, T=--workers); "
+                         "prints it, writes no file")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "data_pipeline.json"))
     args = ap.parse_args(argv)
+    if args.training_only:
+        print(json.dumps(training_only(args), indent=2))
+        return 0
 
     import ray
 
@@ -268,19 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         figures = bench_parse(raw, args.rows, spec, args.repeat)
         # one logical CPU beyond the cores: T workers at 0.5 CPU plus read tasks must fit at once;
         # the dashboard serves the state API that Ray Train's placement-group cleaner polls
-        ray.init(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
         try:
             prepared = os.path.join(work, "prepared")
             figures["prepare_ray"] = bench_prepare_ray(
                 raw, prepared, args.rows, spec, figures["pyarrow_csv"]["rows_per_s_per_core"],
                 rows_per_file=max(1, args.rows // args.files),
             )
-            figures["collate"] = bench_collate(prepared, spec, args.batch_size, args.repeat)
-            figures["stream_parquet_one_consumer"] = bench_stream_one(prepared, spec, args.batch_size, args.repeat)
-            figures["stream_raw_one_consumer"] = bench_stream_one(raw, spec, args.batch_size, args.repeat)
-            figures["stream_parquet_workers"] = bench_stream_workers(
-                prepared, spec, args.batch_size, args.workers, args.repeat)
-            figures["training_qps"] = measure_training_qps(spec, prepared, args.batch_size, args.workers)
+            figures["input_per_core"] = bench_input_per_core(prepared, spec, args.batch_size, args.repeat)
+            figures["ray_stream"] = bench_ray_stream(prepared, spec, args.batch_size, args.repeat)
+            figures["training_qps"] = measure_training_qps(spec, prepared, 256, args.workers)
         finally:
             ray.shutdown()
         result["figures"] = figures

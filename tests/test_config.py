@@ -95,11 +95,24 @@ def test_overrides(data_dir) -> None:
     (["model.over_arch=[64, 2]"], r"^model\.over_arch: must end in 1"),
     (["optim.moment_scale=0"], r"^optim\.moment_scale: must be > 0"),
     (["train.cpus_per_worker=0"], r"^train\.cpus_per_worker: must be > 0"),
+    (["train.resources_per_worker=4"], r"^train\.resources_per_worker: must be a mapping, got 4$"),
+    (["train.resources_per_worker={trainer_node: 0}"], r"^train\.resources_per_worker\.trainer_node: must be > 0, got 0"),
+    (["train.resources_per_worker={trainer_node: lots}"], r"^train\.resources_per_worker\.trainer_node: must be a number"),
+    (["train.resources_per_worker={' ': 1}"], r"^train\.resources_per_worker: a resource name must not be empty"),
+    (["train.resources_per_worker={CPU: 1}"], r"^train\.resources_per_worker\.CPU: .*use train\.cpus_per_worker$"),
+    (["train.resources_per_worker={GPU: 1}"], r"^train\.resources_per_worker\.GPU: .*use train\.use_gpu$"),
     (["grid.num_groups"], r"^--set grid\.num_groups: expected SECTION\.FIELD=VALUE"),
 ])
 def test_bad_values_fail_naming_the_field(data_dir, overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["data.train=data/train-*.tsv", *overrides])
+
+
+def test_resources_per_worker(data_dir) -> None:
+    assert load_config(None, ["data.train=data/*.tsv"]).train.resources_per_worker == {}
+    cfg = load_config(None, ["data.train=data/*.tsv", "train.resources_per_worker={trainer_node: 0.25, big: 2}"])
+    assert cfg.train.resources_per_worker == {"trainer_node": 0.25, "big": 2.0}
+    assert cfg.run_params()["train.resources_per_worker"] == {"trainer_node": 0.25, "big": 2.0}
 
 
 def test_missing_glob_is_fine_when_synthesising(data_dir) -> None:

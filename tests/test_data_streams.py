@@ -1,5 +1,8 @@
-"""Streams into training: 4 workers (Ray actors) read disjoint streams, every row once per epoch,
-from parquet and from raw files; the collate step's Batch layout, multi-hot bags and guards."""
+"""Every training and evaluation batch out of Ray Data (real Ray, real files): each worker's stream
+is its own part of the epoch plan, in order, from parquet and from raw gzip logs; a restored
+data cursor resumes each worker exactly (also re-split over fewer workers); evaluation reads every
+row once; a bad raw row fails naming file, line and field; the collate step's Batch layout,
+multi-hot bags equal to a reference computed row by row here, and its guards."""
 
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from recgrid.data.criteo import CriteoDataError, PREPARED_SCHEMA, prepared_metadata
-from recgrid.data.stream import collate, iter_batches, memory_batches, read_dataset, synthetic_batches, worker_streams
+from recgrid.data.stream import (
+    EvalData, TrainData, collate, memory_batches, ray_batches, read_tasks, scan_inputs, stats_text, synthetic_batches,
+)
 from recgrid.data.specs import DENSE_NAMES, MLPERF_MULTI_HOT_SIZES, SPARSE_NAMES, get_spec
 from recgrid.data.synth import HiddenModel, raw_table, synth_table
+from recgrid.data.units import DataCursor, EpochPlan, Unit, take_rows
 
 # C3 has 10M rows in Kaggle: its id carries each row's global number through every step
 SPEC = get_spec("criteo_kaggle")
@@ -25,25 +31,9 @@ T = 4
 
 
 @pytest.fixture(scope="module")
-def consumers():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-    @ray.remote(num_cpus=0.25)
-    class Worker:
-        """Stands in for one training worker: pulls its stream as Batches, returns row numbers."""
-
-        def consume(self, stream, spec, batch_size):
-            from recgrid.data.stream import iter_batches
-
-            seen, batches = [], 0
-            for b in iter_batches(stream, batch_size, spec, drop_last=False):
-                assert b.dense_features.shape == (len(b.labels), 13)
-                seen.append(b.sparse_features["C3"].values().numpy().copy())
-                batches += 1
-            return np.concatenate(seen) if seen else np.zeros(0, np.int64), batches
-
-    workers = [Worker.remote() for _ in range(T)]
-    yield workers
+def ray_session():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
     ray.shutdown()
 
 
@@ -65,45 +55,124 @@ def write_raw(path: str, start: int, n: int, gz: bool) -> None:
         f.write(sink.getvalue().to_pybytes())
 
 
-def run_epoch(workers, streams, batch_size=256):
-    results = ray.get([w.consume.remote(s, SPEC, batch_size) for w, s in zip(workers, streams)])
-    return [r[0] for r in results], [r[1] for r in results]
+def row_numbers(inputs, units) -> np.ndarray:
+    """The global numbers of `units`' rows (files numbered one after the other)."""
+    first = np.concatenate([[0], np.cumsum(inputs.rows)[:-1]])
+    return np.concatenate([np.arange(first[u.file] + u.start, first[u.file] + u.end) for u in units] or [np.zeros(0, int)])
 
 
-def assert_exactly_once(per_worker, total):
-    everything = np.concatenate(per_worker)
-    assert len(everything) == total, [len(x) for x in per_worker]
-    assert (np.sort(everything) == np.arange(total)).all()  # disjoint, and nothing missing
+def c3(batches) -> np.ndarray:
+    return np.concatenate([b.sparse_features["C3"].values().numpy() for b in batches] or [np.zeros(0, np.int64)])
 
 
-def test_parquet_every_row_once_per_epoch_across_4_workers(tmp_path, consumers):
-    for i in range(6):
-        write_parquet(str(tmp_path / f"shard-{i}.parquet"), i * 1500, 1500)
-    streams = worker_streams(read_dataset(str(tmp_path / "*.parquet"), SPEC), T)
-    for _epoch in range(2):  # the same split streams, a second pass: again every row once
-        per_worker, _ = run_epoch(consumers, streams)
-        assert_exactly_once(per_worker, 9000)
-    assert sum(len(x) > 0 for x in per_worker) >= 2  # the rows really were spread
+def test_read_tasks_cut_whole_batches_in_order():
+    units = [Unit(0, 0, 100), Unit(2, 50, 60), Unit(1, 7, 97)]
+    tasks = read_tasks(units, 16, rows_per_task=40)  # 32 rows a task
+    assert [sum(u.rows for u in t) for t in tasks] == [32, 32, 32, 32, 32, 32]  # 200 rows -> 192 whole
+    assert row_numbers_of(tasks) == row_numbers_of([take_rows(units, 0, 192)])  # the units' rows, in order
+    tail = read_tasks(units, 16, drop_last=False, rows_per_task=40)
+    assert [sum(u.rows for u in t) for t in tail][-2:] == [32, 8]  # the short batch alone
 
 
-def test_raw_files_every_row_once_across_4_workers(tmp_path, consumers):
-    write_raw(str(tmp_path / "day_0"), 0, 2000, gz=False)  # no extension, like the 1TB files
-    write_raw(str(tmp_path / "day_1.gz"), 2000, 1500, gz=True)
-    write_raw(str(tmp_path / "day_2"), 3500, 1700, gz=True)  # gzip without the .gz name
-    streams = worker_streams(read_dataset([str(tmp_path / "day_*")], SPEC), T)
-    per_worker, _ = run_epoch(consumers, streams)
-    assert_exactly_once(per_worker, 5200)
+def row_numbers_of(tasks):
+    return [(u.file, r) for t in tasks for u in t for r in range(u.start, u.end)]
 
 
-def test_equal_split_gives_every_worker_the_same_rows(tmp_path, consumers):
+@pytest.mark.parametrize("fmt", ["parquet", "gzip"])
+def test_each_worker_streams_its_part_of_the_plan_in_order(tmp_path, ray_session, fmt):
+    if fmt == "parquet":
+        for i, n in enumerate((1500, 1100, 1400)):
+            write_parquet(str(tmp_path / f"shard-{i}.parquet"), sum((1500, 1100, 1400)[:i]), n)
+    else:  # raw day files, gzip, parsed and transformed in Ray Data's tasks: no prepare step
+        for i, n in enumerate((1500, 1100, 1400)):
+            write_raw(str(tmp_path / f"day_{i}.gz"), sum((1500, 1100, 1400)[:i]), n, gz=True)
+    inputs = scan_inputs(str(tmp_path / "*"), SPEC)
+    plan = EpochPlan(inputs, seed=3, batch_size=64, rows_per_unit=300)
+    seg = plan.segment(DataCursor(), T)
+    seen = []
+    for rank in range(T):
+        steps, batches = TrainData(plan, SPEC, rank, T).segment_batches(DataCursor())
+        got = list(batches)
+        assert steps == seg.steps_total == len(got) and all(len(b.labels) == 64 for b in got)
+        assert np.array_equal(c3(got), row_numbers(inputs, seg.parts[rank]))  # the plan's rows, in its order
+        seen.append(c3(got))
+    every = np.concatenate(seen)
+    assert len(np.unique(every)) == len(every) == T * seg.steps_total * 64  # disjoint parts
+
+
+def test_a_restored_cursor_resumes_every_worker_exactly(tmp_path, ray_session):
     for i in range(3):
-        write_parquet(str(tmp_path / f"s{i}.parquet"), i * 1001, 1001)
-    streams = worker_streams(read_dataset(str(tmp_path), SPEC), T, equal=True)
-    per_worker, _ = run_epoch(consumers, streams)
-    counts = [len(x) for x in per_worker]
-    assert len(set(counts)) == 1 and 3003 - T < sum(counts) <= 3003
-    everything = np.concatenate(per_worker)
-    assert len(np.unique(everything)) == len(everything)
+        write_parquet(str(tmp_path / f"s{i}.parquet"), i * 1000, 1000)
+    inputs = scan_inputs(str(tmp_path), SPEC)
+    plan = EpochPlan(inputs, seed=1, batch_size=32, rows_per_unit=256)
+    full = [list(TrainData(plan, SPEC, r, T).segment_batches(DataCursor())[1]) for r in range(T)]
+    trained = [c3(f[:5]) for f in full]  # every worker trained 5 steps, then the job was restored
+    cursor = DataCursor()
+    plan.segment(cursor, T)
+    cursor.steps = 5
+    saved = cursor.state_dict()
+    for r in range(T):  # same workers: each resumes at its sixth batch
+        back = DataCursor()
+        back.load_state_dict(saved)
+        steps, batches = TrainData(plan, SPEC, r, T).segment_batches(back)
+        rest = list(batches)
+        assert steps == len(full[r]) - 5 and np.array_equal(c3(rest), c3(full[r][5:]))
+    # on 2 workers (an elastic restore): what no part trained is re-split, none skipped, none twice
+    rest = []
+    for r in range(2):
+        back = DataCursor()
+        back.load_state_dict(saved)
+        rest.append(c3(TrainData(plan, SPEC, r, 2).segment_batches(back)[1]))
+    epoch = np.concatenate(trained + rest)
+    assert len(np.unique(epoch)) == len(epoch)
+    assert len(epoch) > 3000 - 2 * 32 * 2 - 4 * 32  # at most a step's rows of each split are left over
+
+
+def test_evaluation_reads_every_row_once_in_order(tmp_path, ray_session):
+    write_raw(str(tmp_path / "day_0"), 0, 700, gz=False)  # no extension, like the 1TB files
+    write_parquet(str(tmp_path / "day_1.parquet"), 700, 555)
+    inputs = scan_inputs([str(tmp_path / "day_0"), str(tmp_path / "day_1.parquet")], SPEC)
+    parts = [EvalData(inputs, SPEC, 100, r, T) for r in range(T)]
+    got = [list(p.batches()) for p in parts]
+    assert [len(b.labels) for b in got[0]] == [100, 100, 100, 14]  # 314 rows: the short batch kept
+    assert np.array_equal(np.concatenate([c3(g) for g in got]), np.arange(1255))
+    text = stats_text(parts[0])
+    assert "evaluation stream 0" in text and "ReadUnits" in text  # Ray Data's execution stats
+
+
+def test_a_bad_raw_row_fails_naming_file_line_and_field(tmp_path, ray_session):
+    good = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
+    lines = [good] * 40
+    lines[33] = good.replace("0a1b2c3d", "NOT-HEX!", 1)
+    (tmp_path / "day_0").write_text("\n".join(lines) + "\n")
+    inputs = scan_inputs(str(tmp_path / "day_0"), SPEC)
+    with pytest.raises(CriteoDataError, match="day_0:34: field C1"):
+        list(ray_batches(inputs, [Unit(0, 0, 40)], SPEC, 8))
+
+
+def test_multi_hot_batches_equal_a_row_by_row_reference(tmp_path, ray_session):
+    spec = SPEC.with_multi_hot()
+    write_parquet(str(tmp_path / "one.parquet"), 0, 600)
+    inputs = scan_inputs(str(tmp_path), spec)
+    got = list(ray_batches(inputs, [Unit(0, 0, 600)], spec, 128, drop_last=False))
+    table = pq.read_table(str(tmp_path / "one.parquet"))
+    # the reference: each row's bag built alone, from the seeded per-feature offset tables
+    offsets = [np.random.default_rng([0, f]).integers(1, rows, (2048, bag - 1)) if bag > 1 else None
+               for f, (rows, bag) in enumerate(zip(spec.table_rows, MLPERF_MULTI_HOT_SIZES))]
+    ids = {n: table.column(n).to_numpy() for n in SPARSE_NAMES}
+    for k, batch in enumerate(got):
+        lo, hi = k * 128, min(600, (k + 1) * 128)
+        want_values, want_lengths = [], []
+        for f, n in enumerate(SPARSE_NAMES):
+            rows = spec.table_rows[f]
+            for x in ids[n][lo:hi]:
+                bag = [int(x)] + ([] if offsets[f] is None else [int((x + o) % rows) for o in offsets[f][x % 2048]])
+                want_values += bag
+                want_lengths.append(len(bag))
+        assert batch.sparse_features.values().tolist() == want_values
+        assert batch.sparse_features.lengths().tolist() == want_lengths
+        assert batch.sparse_features.values().dtype == torch.int64 and batch.sparse_features.lengths().dtype == torch.int32
+    assert [len(b.labels) for b in got] == [128] * 4 + [88]
 
 
 def test_collate_layout_one_hot():
@@ -150,9 +219,10 @@ def test_collate_refuses_ids_outside_the_table():
         collate(cols, SPEC)
 
 
-def test_memory_and_synthetic_batches_match_the_stream(tmp_path, consumers):
+def test_memory_and_synthetic_batches_match_the_stream(tmp_path, ray_session):
     write_parquet(str(tmp_path / "one.parquet"), 0, 1000)
-    from_stream = list(iter_batches(read_dataset(str(tmp_path), SPEC), 128, SPEC))
+    inputs = scan_inputs(str(tmp_path), SPEC)
+    from_stream = list(ray_batches(inputs, inputs.units(), SPEC, 128))
     in_memory = memory_batches(numbered_table(0, 1000), 128, SPEC)
     assert len(from_stream) == len(in_memory) == 7  # drop_last: 1000 // 128
     for s, m in zip(from_stream, in_memory):  # one file, one reader: same order

@@ -103,8 +103,53 @@ def test_check_placement_on_real_node_ids():
     Grid(8, 2, "inter-host").check_placement(nodes)
     with pytest.raises(GridError, match="replica group 1 .* spans nodes"):
         Grid(8, 2).check_placement(["a", "a", "a", "b", "b", "b", "b", "a"])
-    with pytest.raises(GridError, match="sits wholly on node"):
+    with pytest.raises(GridError, match="node a holds workers of sharding groups 0 and 1"):
         Grid(8, 2, "inter-host").check_placement(["a", "b"] * 4)
+
+
+def test_inter_host_needs_sharding_groups_on_nodes_of_their_own():
+    g = Grid(4, 2, "inter-host")  # sharding groups [0, 1] and [2, 3]
+    g.check_placement(["a", "a", "b", "b"], cluster_nodes=2)
+    g.check_placement(["a", "c", "b", "b"], cluster_nodes=3)  # a group may span nodes of its own
+    g.check_placement(["a"] * 4, cluster_nodes=1)  # one node: nothing to spread
+    # the placement: every worker packed on one node of a two-node cluster
+    with pytest.raises(GridError) as e:
+        g.check_placement(["a"] * 4, cluster_nodes=2)
+    msg = str(e.value)
+    assert msg.startswith("inter-host layout: node a holds workers of sharding groups 0 and 1")
+    assert "{0: ['a'], 1: ['a']}" in msg and "cluster of 2 nodes" in msg and "grid.layout=host-local" in msg
+    with pytest.raises(GridError, match="node b holds workers of sharding groups 0 and 1"):
+        g.check_placement(["a", "b", "b", "c"], cluster_nodes=3)  # SPREAD's 1+2+1 straddles
+    Grid(4, 1, "inter-host").check_placement(["a"] * 4, cluster_nodes=2)  # M=1: one group
+    # host-local is unaffected by how many nodes the cluster has
+    Grid(4, 2).check_placement(["a"] * 4, cluster_nodes=2)
+
+
+def test_check_cluster_refuses_what_the_nodes_cannot_give():
+    two = {"n1 at 10.0.0.1 (CPU 2)": 4, "n2 at 10.0.0.2 (CPU 2)": 4}
+    Grid(4, 2, "inter-host").check_cluster(two)
+    Grid(4, 2, "inter-host").check_cluster({"n1 at 10.0.0.1 (CPU 2)": 4})  # one node: nothing to spread
+    Grid(4, 2, "inter-host").check_cluster({**two, "cpu-only (CPU 8, trainer 0)": 0})  # nodes of no slot don't count
+    with pytest.raises(GridError) as e:  # 4 sharding groups, 2 nodes
+        Grid(4, 4, "inter-host").check_cluster(two)
+    msg = str(e.value)
+    assert msg.startswith("inter-host layout: the M=4 sharding groups need nodes of their own, but this cluster has 2")
+    assert "n1 at 10.0.0.1 (CPU 2): 4 worker(s); n2 at 10.0.0.2 (CPU 2): 4 worker(s)" in msg
+    assert "lower grid.num_groups to 2 or fewer" in msg
+    with pytest.raises(GridError, match=r"groups of L=3 workers each need nodes of their own, and these nodes cannot give each its L workers"):  # nodes of 1, 1, 4 for 2 x 3
+        Grid(6, 2, "inter-host").check_cluster({"a": 1, "b": 1, "c": 4})
+    with pytest.raises(GridError, match=r"^host-local layout: the cluster's nodes hold 3 of the 4 workers"):
+        Grid(4, 2).check_cluster({"a": 3})
+    Grid(4, 2).check_cluster({"a": 2, "b": 2})  # one replica group per node
+    with pytest.raises(GridError) as e:  # M=2 on nodes of 3 and 1: the second replica group would straddle
+        Grid(4, 2).check_cluster({"a": 3, "b": 1})
+    assert str(e.value).startswith("host-local layout: each replica group of M=2 workers must sit on one node, "
+                                   "but the cluster's nodes hold only 1 whole replica group(s), 2 of the 4 workers")
+    Grid(8, 4).check_cluster({"a": 2, "b": 2, "c": 2, "d": 2})  # M a multiple of the workers per node
+    # elastic: the first attempt gets what the nodes hold, in whole sharding groups
+    Grid(4, 2, "inter-host").check_cluster({"a": 2}, min_world_size=2)
+    with pytest.raises(GridError, match="hold 1 of the 2 workers"):
+        Grid(4, 2, "inter-host").check_cluster({"a": 1}, min_world_size=2)
 
 
 def _layout(*args):

@@ -10,9 +10,18 @@ container runs as whom, where each secret comes from, what the RayJob's command 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import math
+import os
 import re
+import secrets
 import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from fractions import Fraction
 from pathlib import Path
 
@@ -27,6 +36,7 @@ from recgrid.engine.grid import Grid
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
+EXAMPLES = K8S / "examples"  # not applied: k8s/README.md applies k8s/*.yaml
 SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay-v1.7.0"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests are checked against
 NAMESPACE = "recgrid"
@@ -38,9 +48,9 @@ SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|CREDENTIAL|(^|_)KEY$", re.I)
 
 
 # ---- loading --------------------------------------------------------------------------------
-def _load() -> list[tuple[str, dict]]:
+def _load(directory: Path = K8S) -> list[tuple[str, dict]]:
     docs = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(directory.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 docs.append((path.name, doc))
@@ -48,6 +58,7 @@ def _load() -> list[tuple[str, dict]]:
 
 
 DOCS = _load()
+EXAMPLE_DOCS = _load(EXAMPLES)
 
 
 def _kind(kind: str) -> list[dict]:
@@ -105,15 +116,18 @@ def _ray_specs() -> list[tuple[str, dict]]:
             + [(j["metadata"]["name"], j["spec"]["rayClusterSpec"]) for j in _kind("RayJob")])
 
 
+POD_TEMPLATES = [(f"{d['metadata']['name']}/{role}", t) for _, d in DOCS for role, t in _pod_templates(d)]
+
+
 # ---- schema validation ------------------------------------------------------------------------
 def test_manifests_exist():
     kinds = {d["kind"] for _, d in DOCS}
-    assert {"Namespace", "Secret", "PersistentVolumeClaim", "NetworkPolicy", "Deployment", "Service",
-            "RayCluster", "RayJob"} <= kinds
+    assert {"Namespace", "ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy", "Deployment",
+            "Service", "RayCluster", "RayJob"} <= kinds
     assert {n for _, d in DOCS if d["kind"] == "RayCluster" for n in [d["metadata"]["name"]]} >= {"recgrid-gpu", "recgrid-cpu"}
 
 
-CORE = [x for x in DOCS if x[1]["kind"] not in CRD_FILES]
+CORE = [x for x in DOCS + EXAMPLE_DOCS if x[1]["kind"] not in CRD_FILES]
 KUBERAY = [x for x in DOCS if x[1]["kind"] in CRD_FILES]
 
 
@@ -255,6 +269,175 @@ def test_postgres_only_from_mlflow_and_metrics_from_monitoring():
                for p in metrics), "Prometheus in namespace monitoring cannot scrape the Ray metrics port"
 
 
+# ---- egress ---------------------------------------------------------------------------------------
+METADATA_IP = ipaddress.ip_address("169.254.169.254")  # every cloud's instance metadata (credentials)
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # installed into the namespace (README step 0)
+
+
+def egress_rules(pod_labels: dict) -> list[dict] | None:
+    """The egress rules that apply to a pod with `pod_labels`: None if no policy with Egress selects it
+    (all egress open), else the union of the selecting policies' rules ([] = default deny)."""
+    selecting = [p for p in _kind("NetworkPolicy") if "Egress" in p["spec"].get("policyTypes", [])
+                 and _selects(p["spec"]["podSelector"], pod_labels)]
+    if not selecting:
+        return None
+    return [r for p in selecting for r in p["spec"].get("egress") or []]
+
+
+def admits_ip(rules: list[dict] | None, ip: str, port: int = 80) -> bool:
+    """Whether the rules let a pod connect to `ip:port` outside the cluster (ipBlock peers only
+    match such addresses; a rule without `to` matches every address)."""
+    if rules is None:
+        return True
+    addr = ipaddress.ip_address(ip)
+    for rule in rules:
+        if not _port_matches(rule.get("ports"), port, None):
+            continue
+        if not rule.get("to"):
+            return True
+        for peer in rule["to"]:
+            block = peer.get("ipBlock")
+            if block and addr in ipaddress.ip_network(block["cidr"]) and not any(
+                    addr in ipaddress.ip_network(e) for e in block.get("except", [])):
+                return True
+    return False
+
+
+EGRESS_PODS = [(w, _pod_labels("", w.rsplit("/", 1)[1], t)) for w, t in POD_TEMPLATES] + [("kuberay-operator", OPERATOR_LABELS)]
+
+
+@pytest.mark.parametrize("what,labels", EGRESS_PODS, ids=[w for w, _ in EGRESS_PODS])
+def test_egress_is_denied_by_default_and_never_reaches_cloud_metadata(what, labels):
+    rules = egress_rules(labels)
+    assert rules is not None, f"{what}: no egress policy selects it: all egress is open"
+    for port in (80, 443, 53):
+        assert not admits_ip(rules, str(METADATA_IP), port), f"{what}: may reach {METADATA_IP}:{port}"
+    assert not admits_ip(rules, "8.8.8.8", 53) and not admits_ip(rules, "93.184.215.14", 80), f"{what}: open egress"
+    for rule in rules:  # every exception names its peers
+        assert rule.get("to"), f"{what}: an egress rule without `to` admits every address"
+        for peer in rule["to"]:
+            if "ipBlock" in peer:
+                net = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+                excepted = [ipaddress.ip_network(e) for e in peer["ipBlock"].get("except", [])]
+                if net.prefixlen == 0:
+                    assert any(METADATA_IP in e for e in excepted), f"{what}: 0.0.0.0/0 without the metadata range excepted"
+                    assert rule.get("ports"), f"{what}: 0.0.0.0/0 on every port"
+    # DNS and this namespace are the exceptions every pod has
+    dns = [r for r in rules if _port_matches(r.get("ports"), 53, None) and r.get("ports") and any(
+        (p.get("namespaceSelector") or {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == "kube-system"
+        for p in r["to"])]
+    assert dns, f"{what}: no DNS"
+    assert any(p == {"podSelector": {}} for r in rules for p in r["to"]), f"{what}: cannot reach its own namespace"
+
+
+def test_ray_pods_reach_only_the_named_object_storage():
+    head = _pod_labels("", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
+    rules = egress_rules(head)
+    blocks = [ipaddress.ip_network(p["ipBlock"]["cidr"]) for r in rules for p in r["to"] if "ipBlock" in p]
+    assert blocks and all(b.prefixlen > 0 for b in blocks), blocks  # named CIDRs, not the internet
+    assert admits_ip(rules, str(blocks[0][1]), 443) and not admits_ip(rules, str(blocks[0][1]), 80)
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    assert not admits_ip(egress_rules(mlflow["spec"]["template"]["metadata"]["labels"]), str(blocks[0][1]), 443)
+
+
+def test_egress_check_catches_open_rules():
+    assert admits_ip([{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}], "169.254.169.254")
+    assert not admits_ip([{"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]}], "169.254.169.254")
+    assert admits_ip([{}], "169.254.169.254") and admits_ip(None, "169.254.169.254")
+    assert not admits_ip([{"to": [{"podSelector": {}}]}], "169.254.169.254")
+
+
+def test_mlflow_admits_only_the_ray_pods_and_named_clients():
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    peers = admitted_peers(mlflow["spec"]["template"]["metadata"]["labels"], 5000, "http")
+    assert peers and all(_in_namespace_only(p) for p in peers)
+    admitted = lambda labels: any(_selects(p["podSelector"], labels) for p in peers)  # noqa: E731
+    for what, template in POD_TEMPLATES:
+        labels = _pod_labels("", what.rsplit("/", 1)[1], template)
+        assert admitted(labels) == (labels.get("app.kubernetes.io/name") == "ray"), f"{what}: MLflow admits it: {admitted(labels)}"
+    assert admitted({"recgrid.io/mlflow-client": "true"})
+    assert not admitted({"app.kubernetes.io/name": "someone-elses-job"}) and not admitted(OPERATOR_LABELS)
+
+
+# ---- MLflow behind authentication -----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mlflow_server_with_the_manifests_auth_settings_refuses_anonymous_requests(tmp_path):
+    """A real `mlflow server`, with the manifest's arguments and auth config (only the addresses and
+    stores moved to this machine): 401 without credentials or with a wrong password, 200 for the
+    admin the Secret names, and an MLflow client authenticates with the env vars the Ray pods get."""
+    (deploy,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    (config_map,) = [c for c in _kind("ConfigMap") if c["metadata"]["name"] == "recgrid-mlflow-auth"]
+    env = {e["name"]: e for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "auth-config")
+    ini_name = env["MLFLOW_AUTH_CONFIG_PATH"]["value"][len(mount["mountPath"]) + 1:]
+    assert "--app-name=basic-auth" in container["args"]
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "recgrid-mlflow-admin"
+    ini = config_map["data"][ini_name]
+    assert "admin_password" not in ini  # the password comes from the Secret only
+    ini = re.sub(r"^database_uri = .*$", f"database_uri = sqlite:///{tmp_path}/basic_auth.db", ini, flags=re.M)
+    (tmp_path / ini_name).write_text(ini)
+    port = _free_port()
+    moved = {"--host": "127.0.0.1", "--port": str(port), "--workers": "1",
+             "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db", "--artifacts-destination": str(tmp_path / "art")}
+    args = [a if a.split("=")[0] not in moved else f"{a.split('=')[0]}={moved[a.split('=')[0]]}" for a in container["args"]]
+    password = secrets.token_urlsafe(16)
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    server_env.update(MLFLOW_AUTH_CONFIG_PATH=str(tmp_path / ini_name), MLFLOW_AUTH_ADMIN_PASSWORD=password,
+                      MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", *args], cwd=tmp_path,
+                            env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+
+    def status(user: str | None = None, pw: str | None = None) -> int:
+        req = urllib.request.Request(url)
+        if user is not None:
+            import base64
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:  # the first request creates the store's tables
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)  # unauthenticated by design
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(1)
+        assert status() == 401
+        assert status("admin", "not-the-password") == 401
+        assert status("admin", password) == 200
+        from mlflow.tracking import MlflowClient
+
+        client_env = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": password}
+        old = {k: os.environ.get(k) for k in client_env}
+        os.environ.update(client_env)  # what the Ray pods get from recgrid-mlflow-client
+        try:
+            assert MlflowClient(f"http://127.0.0.1:{port}").search_experiments(max_results=1) is not None
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
 def _quantity(q) -> Fraction:
     units = {"m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -289,32 +472,100 @@ def test_containers_run_as_non_root_with_requests_and_limits(what, container, po
     assert sc.get("allowPrivilegeEscalation") is False, f"{what}: may escalate privileges"
     assert not sc.get("privileged"), what
     assert "ALL" in (sc.get("capabilities") or {}).get("drop", []), f"{what}: keeps Linux capabilities"
+    assert sc.get("readOnlyRootFilesystem") is True, f"{what}: the root filesystem is writable"
+    seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile")) or {}
+    assert seccomp.get("type") == "RuntimeDefault", f"{what}: no RuntimeDefault seccomp profile"
     res = container.get("resources") or {}
     for kind in ("requests", "limits"):
-        assert {"cpu", "memory"} <= set(res.get(kind) or {}), f"{what}: no cpu/memory {kind}"
+        assert {"cpu", "memory", "ephemeral-storage"} <= set(res.get(kind) or {}), \
+            f"{what}: no cpu/memory/ephemeral-storage {kind}"
     for name, limit in res["limits"].items():
         assert _quantity(res["requests"].get(name, limit)) <= _quantity(limit), f"{what}: {name} request above its limit"
 
 
-def test_root_refused_by_the_check():
+@pytest.mark.parametrize("change,said", [
+    (lambda c, p: (c["securityContext"].update(runAsNonRoot=False), p.get("securityContext", {}).pop("runAsNonRoot", None)),
+     "runAsNonRoot"),
+    (lambda c, p: c["securityContext"].pop("readOnlyRootFilesystem"), "root filesystem is writable"),
+    (lambda c, p: (c["securityContext"].pop("seccompProfile", None), p["securityContext"].pop("seccompProfile", None)),
+     "seccomp"),
+    (lambda c, p: c["resources"]["limits"].pop("ephemeral-storage"), "ephemeral-storage"),
+])
+def test_the_container_check_refuses_each_gap(change, said):
     what, container, pod = copy.deepcopy(ALL_CONTAINERS[0])
-    container["securityContext"]["runAsNonRoot"] = False
-    pod.get("securityContext", {}).pop("runAsNonRoot", None)
-    with pytest.raises(AssertionError, match="runAsNonRoot"):
+    change(container, pod)
+    with pytest.raises(AssertionError, match=said):
         test_containers_run_as_non_root_with_requests_and_limits(what, container, pod)
 
 
+
+
+def test_namespace_enforces_pod_security_restricted():
+    (ns,) = _kind("Namespace")
+    labels = ns["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels.get(f"pod-security.kubernetes.io/{mode}") == "restricted", f"Pod Security {mode} is not restricted"
+
+
+@pytest.mark.parametrize("what,template", POD_TEMPLATES, ids=[w for w, _ in POD_TEMPLATES])
+def test_pods_get_no_api_token_and_write_only_to_declared_volumes(what, template):
+    pod = template["spec"]
+    assert pod.get("automountServiceAccountToken") is False, f"{what}: the pod gets a ServiceAccount token"
+    accounts = {a["metadata"]["name"]: a for a in _kind("ServiceAccount")}
+    sa = pod.get("serviceAccountName")
+    assert sa in accounts, f"{what}: runs as ServiceAccount {sa!r}, none of k8s/serviceaccounts.yaml"
+    assert accounts[sa].get("automountServiceAccountToken") is False
+    bound = [b for b in _kind("RoleBinding") + _kind("ClusterRoleBinding")
+             if any(s.get("name") == sa for s in b.get("subjects", []))]
+    assert not bound, f"{what}: ServiceAccount {sa} holds rights it does not need: {bound}"
+    # with a read-only root, what a container writes goes to a volume: an emptyDir with a size
+    # limit, a PersistentVolumeClaim, or nothing (config and secrets are mounted read-only)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for c in pod["containers"]:
+        for m in c.get("volumeMounts", []):
+            v = volumes[m["name"]]
+            if "emptyDir" in v:
+                assert v["emptyDir"].get("sizeLimit"), f"{what}: emptyDir {v['name']} has no sizeLimit"
+            elif "persistentVolumeClaim" not in v:
+                assert m.get("readOnly") is True, f"{what}: {m['mountPath']} is a writable {set(v) - {'name'}}"
+
+
+@pytest.mark.parametrize("name,spec", _ray_specs(), ids=[n for n, _ in _ray_specs()])
+def test_in_tree_autoscaling_is_off(name, spec):
+    """KubeRay's autoscaler sidecar shares the head pod with the jobs' drivers and gets a token that
+    may patch the RayCluster: off (k8s/README.md, "Autoscaling", says what turning it on costs)."""
+    assert spec.get("enableInTreeAutoscaling") is False, name
+
+
+EXAMPLE_SECRETS = [d for _, d in EXAMPLE_DOCS if d["kind"] == "Secret"]
+EXAMPLE_PREFIX = "example-"
+
+
 def _secret_keys() -> set[tuple[str, str]]:
-    return {(s["metadata"]["name"], k) for s in _kind("Secret") for k in {**s.get("data", {}), **s.get("stringData", {})}}
+    """(real Secret name, key) of every Secret k8s/examples/ shows the shape of."""
+    return {(s["metadata"]["name"][len(EXAMPLE_PREFIX):], k) for s in EXAMPLE_SECRETS
+            for k in {**s.get("data", {}), **s.get("stringData", {})}}
+
+
+def test_no_secret_in_the_applied_directory_and_examples_cannot_replace_real_ones():
+    """`kubectl apply -f k8s/` must never overwrite the real Secrets with public placeholders."""
+    assert not _kind("Secret"), [s["metadata"]["name"] for s in _kind("Secret")]
+    assert EXAMPLE_SECRETS
+    referenced = {n for n, _ in _secret_keys()}
+    for s in EXAMPLE_SECRETS:
+        name = s["metadata"]["name"]
+        assert name.startswith(EXAMPLE_PREFIX) and name not in referenced, f"example Secret {name} has a real name"
+    readme = (K8S / "README.md").read_text() + (ROOT / "README.md").read_text()
+    assert "--from-literal" not in readme, "a secret recipe puts its value on the command line"
 
 
 def test_secrets_are_templates_and_come_from_secret_key_refs():
-    for s in _kind("Secret"):  # the shipped Secrets are placeholders, never real values
+    for s in EXAMPLE_SECRETS:  # the shipped Secrets are placeholders, never real values
         assert s.get("stringData") and not s.get("data"), s["metadata"]["name"]
         for key, value in s["stringData"].items():
             assert value.startswith("CHANGE_ME"), f"Secret {s['metadata']['name']}.{key} holds a value"
     known = _secret_keys()
-    placeholders = [v for s in _kind("Secret") for v in s["stringData"].values()]
+    placeholders = [v for s in EXAMPLE_SECRETS for v in s["stringData"].values()]
     refs = 0
     for what, container, _ in ALL_CONTAINERS:
         for env in container.get("env", []):
@@ -329,7 +580,7 @@ def test_secrets_are_templates_and_come_from_secret_key_refs():
         text = " ".join(container.get("command", []) + container.get("args", []))
         assert not re.search(r"://[^/@\s]*:[^/@\s]*@", text), f"{what}: credentials on the command line"
         assert not any(p in text for p in placeholders)
-    assert refs >= 2  # PostgreSQL's and MLflow's database password at least
+    assert refs >= 4  # PostgreSQL's and MLflow's database password, MLflow's admin, the Ray pods' MLflow user
     for name, spec in _ray_specs():  # the Ray auth token: KubeRay reads it from the named Secret
         auth = spec.get("authOptions") or {}
         assert auth.get("mode") == "token", f"{name}: Ray token authentication is off"
@@ -340,7 +591,7 @@ def test_secrets_are_templates_and_come_from_secret_key_refs():
 def _lock_pin(package: str) -> str:
     for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
         if line.lower().startswith(package + "=="):
-            return line.split("==")[1].strip()
+            return line.split("==")[1].split()[0]
     raise AssertionError(f"{package} is not pinned in requirements/lock.txt")
 
 
@@ -352,10 +603,10 @@ def test_ray_version_and_images_match_the_pinned_stack():
     ray_pin, version = _lock_pin("ray"), _version()
     for name, spec in _ray_specs():
         assert spec["rayVersion"] == ray_pin, name
-    images = {c["image"] for _, d in DOCS if d["kind"] in CRD_FILES for _, c, _ in _containers(d) if "image" in c}
+    images = {c["image"].split("@")[0] for _, d in DOCS if d["kind"] in CRD_FILES for _, c, _ in _containers(d) if "image" in c}
     assert len(images) == 1 and images.pop().endswith(f"/recgrid:{version}")
     (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
-    assert mlflow["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f"/recgrid-mlflow:{version}")
+    assert mlflow["spec"]["template"]["spec"]["containers"][0]["image"].split("@")[0].endswith(f"/recgrid-mlflow:{version}")
 
 
 @pytest.mark.parametrize("name,spec", _ray_specs(), ids=[n for n, _ in _ray_specs()])
@@ -434,7 +685,7 @@ def test_dockerfile_installs_the_pinned_stack_as_non_root():
     text = (K8S / "Dockerfile").read_text()
     ray_pin = _lock_pin("ray")
     python = re.search(r'requires-python = ">=3\.(\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert re.search(rf"^ARG RAY_IMAGE=rayproject/ray:{re.escape(ray_pin)}-py3{python}-gpu$", text, re.M)
+    assert re.search(rf"^ARG RAY_IMAGE=rayproject/ray:{re.escape(ray_pin)}-py3{python}-gpu(@sha256:[0-9a-f]{{64}})?$", text, re.M)
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
     assert [s.splitlines()[0].split()[-1] for s in stages] == ["recgrid", "mlflow"]
     recgrid, mlflow = stages
@@ -445,7 +696,7 @@ def test_dockerfile_installs_the_pinned_stack_as_non_root():
     assert len(steps) == 4 and steps == sorted(steps)
     for name in ("torch-cuda.txt", "nodeps.txt", "lock.txt", "mlflow-server.txt"):
         assert (ROOT / "requirements" / name).is_file()
-    assert re.search(r"-c /tmp/requirements/lock\.txt -r /tmp/requirements/mlflow-server\.txt", mlflow)
+    assert re.search(r"--require-hashes -r /tmp/requirements/mlflow-server\.txt", mlflow)
     assert "psycopg2-binary==" in (ROOT / "requirements" / "mlflow-server.txt").read_text()
     for stage in stages:  # each image ends as a non-root user, set before its first RUN for recgrid
         users = re.findall(r"^USER (\S+)", stage, re.M)
@@ -460,3 +711,32 @@ def test_k8s_readme_names_every_manifest_in_apply_order():
     steps = ("image", "Secrets", "MLflow", "RayCluster", "RayJob")
     order = [next(i for i, h in enumerate(headings) if word in h) for word in steps]
     assert order == sorted(order), f"k8s/README.md: image, secrets, MLflow, RayCluster, RayJob; got {headings}"
+
+
+# ---- images pinned by digest ----------------------------------------------------------------------
+DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+
+
+def image_references() -> list[tuple[str, str]]:
+    """(where, reference) of every image the manifests run and the Dockerfile builds on."""
+    refs = [(w, c["image"]) for _, d in DOCS for w, c, _ in _containers(d) if "image" in c]
+    text = (K8S / "Dockerfile").read_text()
+    refs += [("Dockerfile ARG " + m.group(1), m.group(2)) for m in re.finditer(r"^ARG (\w*IMAGE)=(\S+)", text, re.M)]
+    refs += [("Dockerfile FROM", m.group(1)) for m in re.finditer(r"^FROM (\S+)", text, re.M) if "$" not in m.group(1)]
+    return refs
+
+
+def test_digest_check_accepts_only_digests():
+    assert DIGEST.match("postgres:17@sha256:" + "a" * 64)
+    assert not DIGEST.match("postgres:17") and not DIGEST.match("postgres@sha256:abc")
+    assert (K8S / "pin-images.sh").is_file() and os.access(K8S / "pin-images.sh", os.X_OK)
+    where = {w.split(" ")[0].split("/")[0] for w, _ in image_references()}
+    assert {"Dockerfile", "recgrid-postgres", "recgrid-mlflow", "recgrid-gpu"} <= where, where  # all of them are read
+
+
+@pytest.mark.xfail(strict=True, reason="blocked: no container registry is reachable where these manifests were "
+                   "written, so no digest could be resolved; run k8s/pin-images.sh (after pushing the recgrid "
+                   "images) and delete this mark")
+def test_every_image_reference_carries_a_digest():
+    unpinned = [(w, r) for w, r in image_references() if not DIGEST.match(r)]
+    assert not unpinned, unpinned

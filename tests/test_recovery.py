@@ -93,7 +93,7 @@ def test_epoch_split_is_exact_and_resplits_without_loss():
 
 
 def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
-    from recgrid.data.stream import scan_inputs, unit_batches
+    from recgrid.data.stream import local_batches, scan_inputs
     from recgrid.data.synth import write_synth
 
     write_synth(str(tmp_path / "pq"), 5000, files=2, fmt="parquet", spec=SPEC)
@@ -101,7 +101,7 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
     inputs = scan_inputs(str(tmp_path / "pq" / "*.parquet"), SPEC)
     assert inputs.rows == (2500, 2500)
     units = [Unit(1, 100, 350), Unit(0, 2400, 2500), Unit(1, 0, 30)]
-    batches = list(unit_batches(inputs, units, SPEC, batch_size=32, drop_last=False))
+    batches = list(local_batches(inputs, units, SPEC, batch_size=32, drop_last=False))
     ids = torch.cat([b.row_ids for b in batches]).numpy()
     want = np.concatenate([np.arange(2500 + 100, 2500 + 350), np.arange(2400, 2500), np.arange(2500, 2530)])
     assert np.array_equal(ids, want)
@@ -114,12 +114,12 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
         pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path, row_group_size=700)
     assert pq.ParquetFile(inputs.files[1]).metadata.num_row_groups == 4
     units = [Unit(1, 650, 2150), Unit(0, 1390, 1410), Unit(1, 2099, 2500)]
-    ids = torch.cat([b.row_ids for b in unit_batches(inputs, units, SPEC, batch_size=64, drop_last=False)]).numpy()
+    ids = torch.cat([b.row_ids for b in local_batches(inputs, units, SPEC, batch_size=64, drop_last=False)]).numpy()
     want = np.concatenate([np.arange(2500 + 650, 2500 + 2150), np.arange(1390, 1410), np.arange(2500 + 2099, 5000)])
     assert np.array_equal(ids, want)
     raw = scan_inputs(str(tmp_path / "raw" / "*"), SPEC)
     assert raw.rows == (900,)
-    got = list(unit_batches(raw, [Unit(0, 850, 900)], SPEC, batch_size=25))
+    got = list(local_batches(raw, [Unit(0, 850, 900)], SPEC, batch_size=25))
     assert len(got) == 2 and not hasattr(got[0], "row_ids")  # raw logs carry no row ids
 
 

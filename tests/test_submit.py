@@ -10,6 +10,13 @@ metrics endpoint while the job runs. An invalid config is refused before anythin
 a missing or wrong token gets the sentence that says what to do, and `--no-wait` returns at once
 with a job whose data paths the cluster checks (and refuses, as `recgrid train` would).
 
+What a submission ships (issue 18, acceptance 2): the real job is submitted from a project directory
+made here (a git work tree tracking the job's config) that also holds `.env`, `secrets/key.pem` and a
+50 MB untracked file; none of them may reach the cluster (its unpacked working directory is read), the
+job must finish and the command must have printed what it shipped. From a home directory, to plain
+http:// on a non-loopback address, or with credentials in an override, it refuses before contacting
+anything.
+
 Teardown stops this cluster only: SIGTERM to its `ray start --block` process (which shuts its node
 down), then SIGKILL to whatever of its process group is left. Never `ray stop`: that kills every
 Ray process on the machine, other people's clusters included.
@@ -120,9 +127,31 @@ def cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _submit(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "recgrid"), "submit", *args], cwd=REPO, env=env, capture_output=True,
+def _submit(*args: str, env: dict[str, str], timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "recgrid"), "submit", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+UNTRACKED = (".env", "secrets/key.pem", "big.bin")  # in the project directory, never to be shipped
+BIG_BYTES = 50 * 1000 * 1000
+PROJECT_README = "a recgrid project, submitted by tests/test_submit.py\n"
+
+
+def _project(root: Path) -> Path:
+    """A project directory: a git work tree tracking the job's config and a README, beside an
+    untracked `.env`, `secrets/key.pem` and a 50 MB file (none of them git-ignored)."""
+    root.mkdir(parents=True)
+    (root / "jobs").mkdir()
+    shutil.copy(REPO / "jobs" / "local_demo.yaml", root / "jobs" / "local_demo.yaml")
+    (root / "README.md").write_text(PROJECT_README)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "add", "jobs/local_demo.yaml", "README.md"], cwd=root, check=True)
+    (root / ".env").write_text("AWS_SECRET_ACCESS_KEY=do-not-ship\n")
+    (root / "secrets").mkdir()
+    (root / "secrets" / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\ndo-not-ship\n")
+    with open(root / "big.bin", "wb") as f:
+        f.truncate(BIG_BYTES)
+    return root
 
 
 def _jobs(cluster: Cluster) -> list[dict]:
@@ -130,6 +159,32 @@ def _jobs(cluster: Cluster) -> list[dict]:
 
 
 # ---- refused before anything is uploaded --------------------------------------------------------------
+def test_a_home_directory_is_refused_as_the_project(cluster, tmp_path):
+    home = _project(tmp_path / "home")
+    before = len(_jobs(cluster))
+    p = _submit("jobs/local_demo.yaml", "--address", cluster.address, cwd=home,
+                env=_user_env(HOME=str(home), RAY_AUTH_TOKEN_PATH=str(cluster.token_file)))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"recgrid submit: {home} is your home directory" in p.stderr and "shipping" not in p.stdout
+    assert len(_jobs(cluster)) == before
+
+
+@pytest.mark.parametrize("address,args,said", [
+    ("http://10.0.0.1:8265", [], "plain http:// to a non-loopback address would send the cluster's token in clear"),
+    ("head.example.com:8265", [], "plain http:// to a non-loopback address"),  # no scheme: Ray would use http
+    ("https://ray:pw@head.example.com:8265", [], "https://***@head.example.com:8265: the address carries credentials"),
+    ("https://head.example.com:8265", ["--set", "tracking.tracking_uri=https://u:pw@mlflow.example.com"],
+     "--set tracking.tracking_uri=https://***@mlflow.example.com: a URI with credentials"),
+])
+def test_plain_http_and_credentials_are_refused_before_connecting(address, args, said, tmp_path):
+    """Nothing is sent anywhere: the refusal comes before any connection (the addresses are strings only)."""
+    p = _submit("jobs/local_demo.yaml", "--address", address, *args, cwd=_project(tmp_path / "p"),
+                env=_user_env(RAY_AUTH_TOKEN="not-a-real-token"), timeout=30)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert said in p.stderr and "shipping" not in p.stdout
+    assert "pw@" not in p.stdout + p.stderr and "not-a-real-token" not in p.stdout + p.stderr
+
+
 def test_invalid_config_is_refused_before_anything_is_uploaded(cluster):
     before = len(_jobs(cluster))
     p = _submit("jobs/local_demo.yaml", "--address", cluster.address, "--set", "grid.num_groups=3",
@@ -214,8 +269,9 @@ def submitted(cluster):
             "--set", "data.synth_rows=10000", "--set", "data.synth_eval_rows=2000",
             "--set", "tracking.experiment=test-submit"]
     env = _user_env(RAY_AUTH_TOKEN_PATH=str(cluster.token_file), MLFLOW_TRACKING_URI=uri)
+    project = _project(cluster.tmp / "project")
     t0 = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "recgrid"), "submit", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(BIN / "recgrid"), "submit", *args], cwd=project, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []  # each with the seconds since submitting, for a failure's report
     reader = threading.Thread(
@@ -260,16 +316,20 @@ def test_job_succeeds_and_its_run_is_in_the_submitters_tracking_store(cluster, s
     assert not list((cluster.tmp / "ray").rglob("mlflow.db"))
 
 
-def test_the_shipped_working_directory_leaves_out_ignored_paths(cluster, submitted):
+def test_only_the_tracked_files_reach_the_cluster_and_the_command_said_so(cluster, submitted):
+    assert submitted["rc"] == 0, submitted["out"][-3000:]
     shipped = [d for d in (cluster.tmp / "ray").glob("session_*/runtime_resources/working_dir_files/*") if d.is_dir()]
-    assert shipped, "no working directory was shipped"
-    copies = [d for d in shipped if (d / "jobs" / "local_demo.yaml").is_file()]
-    assert copies, f"the repository is not among the shipped directories {shipped}"
-    for wd in copies:
-        assert (wd / "platform" / "recgrid" / "launch" / "submit.py").is_file()
-        for ignored in (".venv", ".git", "runs", ".pytest_cache"):
-            assert not (wd / ignored).exists(), (ignored, shipped)
-        assert not list(wd.rglob("__pycache__")), shipped
+    copies = [d for d in shipped if (d / "README.md").is_file() and (d / "README.md").read_text() == PROJECT_README]
+    assert copies, f"the project is not among the shipped working directories {shipped}"
+    for wd in copies:  # the job ran in it (it wrote its data under runs/): only that came on top
+        files = {p.relative_to(wd).as_posix() for p in wd.rglob("*") if p.is_file() and p.parts[len(wd.parts)] != "runs"}
+        assert files == {"README.md", "jobs/local_demo.yaml"}, files
+        for name in UNTRACKED:
+            assert not (wd / name).exists(), name
+    assert not [p for p in (cluster.tmp / "ray").rglob("*") if p.name in ("key.pem", "big.bin", ".env")]
+    # what it shipped, said before sending: 2 files, the largest named; nothing near 50 MB went
+    (line,) = [x for x in submitted["out"].splitlines() if "shipping 2 file(s)" in x]
+    assert "jobs/local_demo.yaml (" in line and "untracked files stay here" in line and " MB" not in line
 
 
 def test_every_dashboard_metric_was_exported_during_the_job(submitted):

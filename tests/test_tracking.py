@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -148,3 +149,39 @@ def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
     tracker.finish()
     names = MlflowClient(tracking_uri=store).get_run(tracker.run_id).data.metrics
     assert {"system/node-a/cpu_utilization_percentage", "system/node-a/system_memory_usage_megabytes"} <= names.keys()
+
+
+def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, monkeypatch, capsys) -> None:
+    """A `user:pass@` URI (issue 18): masked in params, tags, error texts, UI links and what submit
+    forwards or prints; only the MLflow client gets it whole."""
+    from recgrid.config import load_config
+    from recgrid.launch.submit import job_env
+    from recgrid.tracking import has_credentials, redact_uri
+
+    secret_uri = "https://alice:s3cret-pw@mlflow.example.com:5000/"
+    assert redact_uri(f"at {secret_uri} and postgresql://u:pw@db/x") == \
+        "at https://***@mlflow.example.com:5000/ and postgresql://***@db/x"
+    assert redact_uri("http://tok3n@h:1", keep="") == "http://h:1"
+    assert has_credentials(secret_uri) and not has_credentials("https://mlflow.example.com/?a=b@c")
+
+    tracker = Tracker(experiment="t-creds", tracking_uri=store)
+    with tracker.start("creds", params={"tracking": {"tracking_uri": secret_uri}}, tags={"uri": secret_uri}):
+        tracker.fail(RuntimeError(f"cannot reach {secret_uri}"))
+    run = MlflowClient(tracking_uri=store).get_run(tracker.run_id)
+    logged = " ".join([*run.data.params.values(), *run.data.tags.values()])
+    assert "s3cret-pw" not in logged and "alice" not in logged
+    assert run.data.params["tracking.tracking_uri"] == "https://***@mlflow.example.com:5000/"
+
+    remote = Tracker(experiment="t", tracking_uri=secret_uri)  # no request is made until the client is used
+    remote.run_id, remote.experiment_id = "r1", "1"
+    assert remote.tracking_uri == secret_uri  # the client still authenticates with it
+    shown = " ".join([remote.display_uri, remote.ui_command(), remote.ui_url()])
+    assert "s3cret-pw" not in shown and "alice" not in shown and "mlflow.example.com:5000" in shown
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", secret_uri)
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "jobs" / "local_demo.yaml", [f"tracking.tracking_uri={secret_uri}"], check_paths=False)
+    env, notes = job_env(cfg)
+    assert env["MLFLOW_TRACKING_URI"] == "https://mlflow.example.com:5000/"  # forwarded without its credentials
+    assert "s3cret-pw" not in " ".join([*env.values(), *notes]) and "alice" not in " ".join(notes)
+    assert any("MLFLOW_TRACKING_USERNAME" in n for n in notes)

@@ -116,9 +116,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_submit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit a training job to a running Ray cluster (Ray Job API) and follow it",
                        epilog=KEYS_EPILOG)
-    p.add_argument("config", help="job config YAML, inside the current directory (which is shipped with the job)")
+    p.add_argument("config", help="job config YAML, inside the current directory: the project, a git work tree whose "
+                                  "tracked files are shipped with the job (untracked files never are)")
     p.add_argument("--address", default=None,
-                   help="the cluster's dashboard / Job API, e.g. http://head:8265 (default: $RAY_ADDRESS)")
+                   help="the cluster's dashboard / Job API: https://head:8265, or http:// to a loopback address "
+                        "through a port-forward (default: $RAY_ADDRESS)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return instead of following its logs")
     p.set_defaults(handler="recgrid.launch.submit:run_cli")

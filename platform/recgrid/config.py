@@ -142,6 +142,8 @@ class TrainConfig:
     """Dense compute precision: "fp32", "tf32" (fp32 tensors, TensorFloat-32 matmuls) or "bf16" (bfloat16 autocast of the forward, TF32 for the rest); null = "tf32" on GPU workers, "fp32" on CPU. tf32 and bf16 need GPU workers."""
     cpus_per_worker: float = 0.5
     """CPUs Ray reserves per worker; fractional so T=4 workers fit a 2-core machine."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource (Ray Data's read tasks ask for none of them, so they may run on any node with CPUs); names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] = "restart"
@@ -314,6 +316,14 @@ class JobConfig:
         _at_least("train.log_every", t.log_every, 1)
         _at_least("train.ne_window_steps", t.ne_window_steps, 1)
         _positive("train.cpus_per_worker", t.cpus_per_worker)
+        for name, amount in t.resources_per_worker.items():
+            if not name.strip():
+                raise ConfigError("train.resources_per_worker: a resource name must not be empty")
+            if name in ("CPU", "GPU"):
+                raise ConfigError(
+                    f"train.resources_per_worker.{name}: CPUs and GPUs are not set here; use "
+                    f"{'train.cpus_per_worker' if name == 'CPU' else 'train.use_gpu'}")
+            _positive(f"train.resources_per_worker.{name}", amount)
         if t.precision in GPU_PRECISIONS and not t.use_gpu:
             raise ConfigError(
                 f"train.precision: {t.precision} needs GPU workers (train.use_gpu: true); CPU workers compute in "
@@ -600,6 +610,11 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if value not in args:
             raise ConfigError(f"{path}: must be one of {list(args)}, got {value!r}")
         return value
+    if origin is dict:
+        key_type, value_type = args
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+        return {_coerce(f"{path} key", k, key_type): _coerce(f"{path}.{k}", v, value_type) for k, v in value.items()}
     if origin is list:
         (elem,) = args
         if isinstance(value, str) and elem is str:

@@ -18,6 +18,11 @@ Where runs go, first match wins:
   3. `sqlite:///<repo>/runs/mlflow.db`, artifacts in `<repo>/runs/mlartifacts`
      (MLflow 3 refuses the plain file store, so the local default is a SQLite file).
 
+A URI's credentials (`scheme://user:pass@host`) never leave this module in what it prints or
+logs: `redact_uri` masks them, and params, tags, error texts and the UI links it builds go through
+it; only the MLflow client itself is given the full URI. Better still, keep them out of the URI:
+MLflow's clients read MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD.
+
 mlflow is imported inside the class, so importing this module is free.
 """
 
@@ -27,6 +32,7 @@ import importlib.metadata
 import logging
 import os
 import platform as _platform
+import re
 import shlex
 import sys
 import time
@@ -75,6 +81,20 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
+# the userinfo of any URL in a text: `scheme://user:pass@` or `scheme://token@`
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#@\s]+)@")
+
+
+def redact_uri(text: str, keep: str = "***@") -> str:
+    """`text` with the credentials of every URL in it replaced by `keep` (`***@`; "" drops them)."""
+    return _USERINFO.sub(lambda m: m.group("scheme") + keep, text)
+
+
+def has_credentials(text: str) -> bool:
+    """Whether a URL in `text` carries a user or password."""
+    return _USERINFO.search(text) is not None
+
+
 def _sqlite_path(uri: str) -> Path | None:
     """The database file of a `sqlite:///path` URI; None for other stores and in-memory SQLite."""
     if not uri.startswith("sqlite:///"):
@@ -93,7 +113,7 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
             continue
         if len(name) > MAX_KEY_LENGTH:
             raise ValueError(f"param key {name[:60]!r}... is {len(name)} characters; MLflow allows {MAX_KEY_LENGTH}")
-        flat[name] = _cut(str(value), MAX_PARAM_VAL_LENGTH)
+        flat[name] = _cut(redact_uri(str(value)), MAX_PARAM_VAL_LENGTH)
     return flat
 
 
@@ -193,7 +213,7 @@ class Tracker:
         run = self.client.create_run(
             self.experiment_id,
             run_name=run_name,
-            tags={k: _cut(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()},
+            tags={k: _cut(redact_uri(str(v)), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()},
         )
         self.run_id = run.info.run_id
         if params:
@@ -241,7 +261,7 @@ class Tracker:
         from mlflow.entities import RunTag
 
         run_id = self._require_run()
-        items = [RunTag(k, _cut(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        items = [RunTag(k, _cut(redact_uri(str(v)), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
 
@@ -289,12 +309,14 @@ class Tracker:
             full = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         else:
             summary = full = str(error)
+        summary, full = redact_uri(summary), redact_uri(full)
         # each step on its own: a store that refuses the artifact must not keep the run RUNNING
         for record in (lambda: self.set_tags({"error": summary}), lambda: self.log_text(full, "error.txt")):
             try:
                 record()
             except Exception as e:  # noqa: BLE001 - the original error matters more than this one
-                print(f"recgrid.tracking: could not record the error in MLflow: {e}", file=sys.stderr)
+                print(f"recgrid.tracking: could not record the error in MLflow: {redact_uri(str(e))}",
+                      file=sys.stderr)
         self._end("FAILED")
 
     def _end(self, status: str) -> None:
@@ -318,9 +340,14 @@ class Tracker:
         return False  # never swallow the exception
 
     # ---- looking at the runs ----------------------------------------------------------------------
+    @property
+    def display_uri(self) -> str:
+        """The tracking URI to print: its credentials, if any, masked."""
+        return redact_uri(self.tracking_uri)
+
     def ui_command(self) -> str:
         """The shell command that opens the MLflow UI on this tracker's runs."""
-        uri = self.tracking_uri
+        uri = redact_uri(self.tracking_uri, keep="")
         if uri.startswith(("http://", "https://")):
             return f"{shlex.quote(sys.executable)} -m webbrowser {shlex.quote(uri)}"  # the server is the UI
         mlflow_bin = Path(sys.executable).parent / "mlflow"
@@ -332,7 +359,7 @@ class Tracker:
         "artifacts/compare/chart.png"): on the tracking server, or on `mlflow ui`'s default
         address for a local store. The URL names the view: MLflow 3.17's UI opens every
         experiment in its GenAI view until the browser is switched to "Model training"."""
-        uri = self.tracking_uri.rstrip("/")
+        uri = redact_uri(self.tracking_uri, keep="").rstrip("/")
         base = uri if uri.startswith(("http://", "https://")) else LOCAL_UI
         path = f"/#/experiments/{self.experiment_id}/runs/{self._require_run()}" + (f"/{page}" if page else "")
         return f"{base}{path}?{UI_TRAINING_VIEW}"
@@ -363,6 +390,7 @@ def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: 
         monitor.start()
         return monitor
     except Exception as e:  # noqa: BLE001 - metrics must never stop training
-        print(f"recgrid.tracking: MLflow system metrics are off on this node: {type(e).__name__}: {e}",
+        print(f"recgrid.tracking: MLflow system metrics are off on this node: {type(e).__name__}: "
+              f"{redact_uri(str(e))}",
               file=sys.stderr)
         return None

@@ -1,24 +1,27 @@
-"""Criteo rows into training: each worker's row ranges read into batches, Ray Datasets, and the
-collate step.
+"""Criteo rows into training: every training and evaluation batch comes out of Ray Data.
 
-Owns what the training loop consumes. The trainer's input is `unit_batches`: the row ranges
-(`data.units.Unit`) the epoch plan gives a worker, read in order by pyarrow in a prefetch
-thread of the worker and collated there, so the data position is a step count that a restore
-can seek back to (`data.units` says why Ray Data's streaming split cannot). `scan_inputs` counts
-the rows of the job's files once (parquet footers; raw logs are counted line by line, so
-prepare them for big jobs). Rows of shards that carry a `row_id` column (synthetic data) come
-with `batch.row_ids`, for audits.
+Owns what the training loop consumes (`TrainData`, `EvalData`) and how it is made. A worker's
+input is the row ranges (`data.units.Unit`) the epoch plan gives it, in order. `ray_batches`
+turns them into a Ray Dataset of the worker's own (`UnitsDatasource`): its read tasks are
+consecutive runs of whole batches of those rows, cut from the units in order, and the dataset
+runs with `preserve_order`, so the k-th batch out is the k-th batch of the worker's rows, and
+the data position stays a step count that a restore seeks back to (`data.units` says why Ray
+Data's `streaming_split` cannot be used for that). A read task reads its rows (parquet: only the
+row groups it needs; raw TSV or gzip logs: parsed and transformed by `criteo.read_raw`, so no
+`prepare` step is needed), and a `map_batches` stage fused with it collates them
+(`collate_block`): dense [B, 13] float32, KeyedJaggedTensor values int64 and lengths int32
+key-major (multi-hot bags expanded), labels float32, row ids where the files carry them. Both
+run as Ray tasks reserving `DEFAULT_NUM_CPUS_PER_TASK` CPU each, which Ray may place on any node
+with CPUs, including nodes with no training worker. The training process only iterates the
+prefetched blocks and wraps each batch's arrays with `torch.from_numpy` into a torchrec
+`Batch` (`batches_of_block`): no per-row or per-feature work is left in it.
 
-`read_dataset` turns globs of raw logs (plain or gzip,
-parsed and transformed on the fly by criteo.py) or of prepared parquet shards, told apart by
-content, into one Ray Dataset of prepared rows. Each of the T workers reads its own disjoint
-stream of it: inside Ray Train, the launcher passes the dataset as
-`TorchTrainer(datasets={"train": ds})` and a worker calls `ray.train.get_dataset_shard("train")`;
-outside, `worker_streams` gives the same `streaming_split` iterators. `iter_batches` turns a
-stream into an iterator of torchrec `Batch` (dense [B, 13] float32, a KeyedJaggedTensor of
-C1..C26, labels [B] float32), collating in Ray's prefetch thread so it overlaps training.
-`memory_batches` and `synthetic_batches` build the same `Batch`es up front, in memory: the
-baseline that streaming is measured against, and a file-free source for engine tests.
+`scan_inputs` counts the rows of the job's files once (parquet footers; raw logs are counted
+line by line). `read_dataset` (whole-file checks) reads globs of raw logs or prepared
+parquet into one Dataset of prepared rows. `local_batches` runs the same read tasks in the
+calling process, without Ray (offline tools: `recgrid towers`). `memory_batches` and
+`synthetic_batches` build the same `Batch`es up front, in memory: the baseline that streaming
+is measured against, and a file-free source for engine tests.
 
 Multi-hot (spec.multi_hot): each id x of feature f becomes a bag of spec.bag_sizes[f] ids,
 x first, then (x + offset) % rows with offsets from a seeded per-feature table indexed by
@@ -28,8 +31,10 @@ x % 2048, so the same id always gets the same bag.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,18 +45,21 @@ from recgrid.data.criteo import (
     read_raw, sniff_format,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec
-from recgrid.data.units import Inputs, Unit
+from recgrid.data.units import DataCursor, EpochPlan, Inputs, Unit, even_sizes, split_rows, take_rows
 
 if TYPE_CHECKING:  # torch, torchrec and ray are heavy; import them where they are used
     import ray.data
     from torchrec.datasets.utils import Batch
 
-_MULTI_HOT_TABLE = 2048  # offset rows per feature: small, yet bags of nearby ids differ
+_MULTI_HOT_TABLE = 2048  # offset rows per feature (a power of two: x % 2048 is x & 2047)
 DEFAULT_NUM_CPUS_PER_TASK = 0.25  # read tasks must fit next to the training workers on a small box
 DEFAULT_BLOCK_BYTES = 4 << 20
+DEFAULT_ROWS_PER_TASK = 32_768  # rows a read task reads and collates: per-task and per-block costs amortised
+_EXPAND_ROWS = 2048  # rows whose multi-hot bags are expanded at once (see collate_block)
+DEFAULT_PREFETCH_BLOCKS = 2  # collated blocks the training process holds ready ahead of the loop
 
 
-# ---------------------------------------------------------------- datasets and streams
+# ---------------------------------------------------------------- prepared rows as one Dataset (prepare, checks)
 
 
 def read_dataset(
@@ -67,11 +75,10 @@ def read_dataset(
     CriteoDataError naming file, line and field); prepared parquet is read as it is, after its
     schema and table rows are checked against `spec`. Formats are told by content and may mix.
     `num_cpus_per_task` is what each read task reserves: leave that much CPU unreserved by the
-    training workers, or reading waits forever. `block_bytes` bounds a block (the unit a worker
-    takes from the stream): ~4 MiB is ~16k prepared rows.
+    training workers, or reading waits forever. `block_bytes` bounds a block: ~4 MiB is ~16k
+    prepared rows. Training does not read through this Dataset (`ray_batches` does); it checks
+    files whole (tests of `prepare`'s output, of bad inputs).
     """
-    # Ray Data coalesces output into blocks of up to 128 MiB (~500k rows); streaming_split hands
-    # out whole blocks, so small blocks are what lets T workers share a modest dataset evenly.
     with data_context(target_max_block_size=block_bytes):
         return _read_dataset(paths, spec, num_cpus_per_task)
 
@@ -127,26 +134,14 @@ def _read_files(batch: Mapping[str, np.ndarray], spec: DatasetSpec) -> Iterator[
                 yield chunk.table
 
 
-def worker_streams(ds: "ray.data.Dataset", num_workers: int, *, equal: bool = False) -> list["ray.data.DataIterator"]:
-    """`num_workers` disjoint streams over one pass of `ds` (Ray Data `streaming_split`).
-
-    equal=False: every row reaches exactly one stream, streams may differ in length.
-    equal=True: streams get the same number of rows, up to num_workers - 1 rows are dropped;
-    this is what Ray Train's `get_dataset_shard` does by default. All streams must be consumed
-    together: one that stops pulling stalls the others.
-    """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be positive, got {num_workers}")
-    return ds.streaming_split(num_workers, equal=equal)
-
-
-# ---------------------------------------------------------------- collate
+# ---------------------------------------------------------------- collate (in Ray Data tasks)
 
 
 @functools.lru_cache(maxsize=8)
 def _multi_hot_offsets(
     table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int
 ) -> tuple[np.ndarray | None, ...]:
+    """Per feature: the [2048, bag - 1] offsets of a bag's other ids (None for bags of one)."""
     out = []
     for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes)):
         if bag == 1:
@@ -159,126 +154,135 @@ def _multi_hot_offsets(
     return tuple(out)
 
 
-class Collator:
-    """numpy batch (column name -> array) -> torchrec Batch, for one spec. Thread-safe."""
+@functools.lru_cache(maxsize=8)
+def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int) -> tuple[np.ndarray | None, ...]:
+    """Per feature: [2048, bag] uint32 offsets of a whole bag (column 0 is 0: the id itself), so a
+    bag is one row gathered (None for bags of one)."""
+    return tuple(None if off is None else np.concatenate([np.zeros((_MULTI_HOT_TABLE, 1), np.uint32),
+                                                          off.astype(np.uint32)], axis=1)
+                 for off in _multi_hot_offsets(table_rows, bag_sizes, seed))
 
-    def __init__(self, spec: DatasetSpec, multi_hot_seed: int = 0):
-        self.spec = spec
-        self.rows = np.array(spec.table_rows, dtype=np.int64)
-        self.bags = spec.bag_sizes
-        self.offsets = _multi_hot_offsets(spec.table_rows, spec.bag_sizes, multi_hot_seed)
 
-    def __call__(self, batch: Mapping[str, np.ndarray]) -> "Batch":
-        import torch
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size: int,
+                  multi_hot_seed: int = 0) -> dict[str, np.ndarray]:
+    """Prepared rows (column name -> array of n values) as n / batch_size ready batches.
 
-        labels = np.asarray(batch[LABEL_NAME])
-        b = len(labels)
-        dense = np.empty((b, len(DENSE_NAMES)), dtype=np.float32)
-        for j, name in enumerate(DENSE_NAMES):
-            dense[:, j] = batch[name]
-        ids = np.empty((len(SPARSE_NAMES), b), dtype=np.int64)
-        for f, name in enumerate(SPARSE_NAMES):
-            ids[f] = batch[name]
-        bad = (ids < 0) | (ids >= self.rows[:, None])
-        if bad.any():  # an id past its table would be a silent wrong lookup (or a crash) later
-            f = int(np.flatnonzero(bad.any(axis=1))[0])
-            raise CriteoDataError(
-                "<batch>", f"id {int(ids[f][bad[f]][0])} outside table rows [0, {self.rows[f]}) of spec "
-                           f"{self.spec.name!r}; data prepared for another spec?", field=SPARSE_NAMES[f],
-            )
-        if self.spec.multi_hot:
-            values = np.concatenate([
-                ids[f] if off is None else
-                ((ids[f][:, None] + np.concatenate([np.zeros((b, 1), np.int64), off[ids[f] % _MULTI_HOT_TABLE]], 1))
-                 % self.rows[f]).ravel()
-                for f, off in enumerate(self.offsets)
-            ])
-            lengths = np.repeat(np.array(self.bags, dtype=np.int32), b)
-        else:
-            values = ids.ravel()  # key-major: all of C1's ids, then C2's, ... as KJT lays them out
-            lengths = np.ones(len(SPARSE_NAMES) * b, dtype=np.int32)
-        kjt = KeyedJaggedTensor(keys=list(SPARSE_NAMES), values=torch.from_numpy(values),
-                                lengths=torch.from_numpy(lengths))
-        out = Batch(dense_features=torch.from_numpy(dense), sparse_features=kjt,
-                    labels=torch.from_numpy(labels.astype(np.float32)))
-        if ROW_ID in batch:  # carried beside the batch (Batch.to drops it): read it before moving
-            out.row_ids = torch.from_numpy(np.asarray(batch[ROW_ID], dtype=np.int64))
-        return out
+    n is a multiple of batch_size, or smaller than it (a last, short batch: one batch of n).
+    Every output column holds one entry per batch: "dense" [nb, B, 13] float32, "labels" [nb, B]
+    float32, "values" [nb, V] int64 and "lengths" [nb, 26 * B] int32 of the KeyedJaggedTensor of
+    C1..C26, key-major (V = B * sum of the bag sizes), and "row_ids" [nb, B] int64 when the rows
+    carry them. Array operations over the whole block: no loop over rows or batches (multi-hot
+    loops over the 26 features, each expanded for every row of the block at once: one gathered
+    row of offsets per bag is faster than one array operation that gathers every value).
+    """
+    labels = np.asarray(cols[LABEL_NAME])
+    n = len(labels)
+    b = batch_size if n >= batch_size else n
+    if n == 0 or n % b:
+        raise ValueError(f"a block of {n} rows is not whole batches of {batch_size}")
+    nb = n // b
+    ids = np.stack([np.asarray(cols[name], dtype=np.int64) for name in SPARSE_NAMES])  # [26, n]
+    rows = np.asarray(spec.table_rows, dtype=np.int64)
+    bad = (ids < 0) | (ids >= rows[:, None])
+    if bad.any():  # an id past its table would be a silent wrong lookup (or a crash) later
+        f = int(np.flatnonzero(bad.any(axis=1))[0])
+        raise CriteoDataError(
+            "<batch>", f"id {int(ids[f][bad[f]][0])} outside table rows [0, {rows[f]}) of spec "
+                       f"{spec.name!r}; data prepared for another spec?", field=SPARSE_NAMES[f],
+        )
+    bags = spec.bag_sizes
+    if spec.multi_hot:
+        # per feature, over the whole block: a bag is one gathered row of the feature's offset
+        # table plus the id, reduced mod rows (uint32: x + offset < 2 * rows < 2^32, and
+        # min(v, v - rows) is v mod rows, as v - rows wraps around when v < rows)
+        if max(spec.table_rows) >= 1 << 31:
+            raise ValueError(f"spec {spec.name!r}: multi-hot expansion needs table rows < 2^31")
+        values = np.empty((nb, b * sum(bags)), np.int64)
+        tables = _bag_tables(spec.table_rows, bags, multi_hot_seed)
+        ids32 = ids.astype(np.uint32)
+        step = max(1, _EXPAND_ROWS // b)  # batches expanded at once: their values stay in cache
+        for j in range(0, nb, step):
+            k = min(step, nb - j)
+            start = 0
+            for f, bag_table in enumerate(tables):
+                x = ids32[f, j * b:(j + k) * b].reshape(k, b, 1)
+                if bag_table is None:
+                    values[j:j + k, start:start + b] = x[..., 0]
+                else:
+                    v = bag_table[x[..., 0] & (_MULTI_HOT_TABLE - 1)]  # [k, b, bag]
+                    v += x
+                    np.minimum(v, v - np.uint32(rows[f]), out=v)
+                    values[j:j + k, start:start + b * bags[f]] = v.reshape(k, -1)
+                start += b * bags[f]
+    else:  # key-major: all of C1's ids of a batch, then C2's, ... as the KJT lays them out
+        values = ids.reshape(len(SPARSE_NAMES), nb, b).transpose(1, 0, 2).reshape(nb, -1)
+    lengths = np.broadcast_to(np.repeat(np.asarray(bags, np.int32), b), (nb, b * len(SPARSE_NAMES)))
+    out = {
+        "dense": np.stack([np.asarray(cols[name], dtype=np.float32) for name in DENSE_NAMES], axis=1).reshape(nb, b, -1),
+        "labels": labels.astype(np.float32).reshape(nb, b),
+        "values": values,
+        "lengths": np.ascontiguousarray(lengths),
+    }
+    if ROW_ID in cols:
+        out["row_ids"] = np.asarray(cols[ROW_ID], dtype=np.int64).reshape(nb, b)
+    return out
+
+
+def batches_of_block(block: Mapping[str, np.ndarray]) -> Iterator["Batch"]:
+    """The torchrec Batches of one collated block: views of its arrays, wrapped, nothing computed."""
+    import torch
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = list(SPARSE_NAMES)
+    # the block's arrays are read-only views of Ray's object store (a training batch is never written)
+    dense, labels, values, lengths = (torch.from_numpy(_writable(block[k])) for k in ("dense", "labels", "values", "lengths"))
+    row_ids = torch.from_numpy(_writable(block["row_ids"])) if "row_ids" in block else None
+    for j in range(len(labels)):
+        out = Batch(dense_features=dense[j], labels=labels[j],
+                    sparse_features=KeyedJaggedTensor(keys=keys, values=values[j], lengths=lengths[j]))
+        if row_ids is not None:  # carried beside the batch (Batch.to drops it): read it before moving
+            out.row_ids = row_ids[j]
+        yield out
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """`a` marked writable without a copy (torch.from_numpy warns on read-only arrays)."""
+    if not a.flags.writeable:
+        a = a.view()
+        try:
+            a.flags.writeable = True
+        except ValueError:  # a buffer that cannot be made writable: copy
+            a = a.copy()
+    return a
 
 
 def collate(batch: Mapping[str, np.ndarray], spec: DatasetSpec, *, multi_hot_seed: int = 0) -> "Batch":
     """One numpy batch (column name -> array of B values) as a torchrec Batch."""
-    return Collator(spec, multi_hot_seed)(batch)
+    return next(batches_of_block(collate_block(batch, spec, len(batch[LABEL_NAME]), multi_hot_seed)))
 
 
-# ---------------------------------------------------------------- batch sources
+# ---------------------------------------------------------------- a worker's stream (Ray Data)
 
 
-def iter_batches(
-    source: "ray.data.Dataset | ray.data.DataIterator",
-    batch_size: int,
-    spec: DatasetSpec,
-    *,
-    drop_last: bool = True,
-    prefetch_batches: int = 1,
-    local_shuffle_buffer_size: int | None = None,
-    local_shuffle_seed: int | None = None,
-    multi_hot_seed: int = 0,
-    rows_per_fetch: int = 32768,
-) -> Iterator["Batch"]:
-    """A stream (a worker's DataIterator, or a whole Dataset) as an iterator of torchrec Batch.
+def memory_batches(source: "pa.Table | str | Sequence[str]", batch_size: int, spec: DatasetSpec, *,
+                   drop_last: bool = True, multi_hot_seed: int = 0) -> list["Batch"]:
+    """Every batch of one pass of `source`, collated up front and held in memory (no Ray).
 
-    Rows come from Ray in groups of about `rows_per_fetch` (a multiple of batch_size) and are cut
-    into batches here: Ray's per-batch cost (slicing and converting 40 columns) is paid per group,
-    not per training batch. Measured on 2 cores with T=4 training workers (bench/data_pipeline.py):
-    8192-row groups slowed the training processes' own compute by ~30%, 32768-row groups by none. Collation runs in Ray's prefetch thread, `prefetch_batches` groups
-    ahead of the consumer (with more than one thread Ray may reorder groups, hence one). One call
-    is one pass (one epoch) of the stream. Batches stay on CPU: call `batch.to(device)`.
+    `source` is an arrow table of prepared rows, or paths/globs of raw logs or prepared parquet
+    (read in order). Iterate the list (or itertools.cycle it) as a stream-free baseline.
     """
-    from ray.data.collate_fn import NumpyBatchCollateFn
-
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    collator = Collator(spec, multi_hot_seed)
-    group = batch_size * max(1, rows_per_fetch // batch_size)
-
-    class _CollateGroup(NumpyBatchCollateFn):
-        def __call__(self, cols):
-            n = len(cols[LABEL_NAME])
-            stop = n - n % batch_size if drop_last else n  # only the stream's last group is short
-            return [collator({k: v[i:i + batch_size] for k, v in cols.items()}) for i in range(0, stop, batch_size)]
-
-    it = source.iterator() if hasattr(source, "streaming_split") else source
-    groups = it.iter_torch_batches(
-        batch_size=group, collate_fn=_CollateGroup(), drop_last=False, prefetch_batches=prefetch_batches,
-        local_shuffle_buffer_size=local_shuffle_buffer_size, local_shuffle_seed=local_shuffle_seed, device="cpu",
-    )
-    return (b for g in groups for b in g)
-
-
-def memory_batches(
-    source: "pa.Table | ray.data.Dataset | ray.data.DataIterator | str | Sequence[str]",
-    batch_size: int,
-    spec: DatasetSpec,
-    *,
-    drop_last: bool = True,
-    multi_hot_seed: int = 0,
-) -> list["Batch"]:
-    """Every batch of one pass of `source`, collated up front and held in memory.
-
-    `source` is an arrow table of prepared rows, a Dataset or DataIterator, or paths/globs (read
-    with read_dataset). Iterate the list (or itertools.cycle it) as a stream-free baseline.
-    """
-    collator = Collator(spec, multi_hot_seed)
-    if isinstance(source, pa.Table):
-        cols = {n: source.column(n).to_numpy() for n in PREPARED_SCHEMA.names}
-        stop = len(source) - (len(source) % batch_size if drop_last else 0)
-        return [collator({n: c[i:i + batch_size] for n, c in cols.items()}) for i in range(0, stop, batch_size)]
-    if isinstance(source, (str, list, tuple)):
-        source = read_dataset(source, spec)
-    return list(iter_batches(source, batch_size, spec, drop_last=drop_last, multi_hot_seed=multi_hot_seed))
+    if not isinstance(source, pa.Table):
+        inputs = scan_inputs(source, spec)
+        tables = [t for f, n in enumerate(inputs.rows) for t in read_unit(inputs.files[f], Unit(f, 0, n), spec)]
+        source = _concat(tables)
+    cols = {n: source.column(n).to_numpy() for n in source.column_names}
+    whole = len(source) - len(source) % batch_size
+    out = list(batches_of_block(collate_block({k: v[:whole] for k, v in cols.items()}, spec, batch_size,
+                                              multi_hot_seed))) if whole else []
+    if whole < len(source) and not drop_last:
+        out.append(collate({k: v[whole:] for k, v in cols.items()}, spec, multi_hot_seed=multi_hot_seed))
+    return out
 
 
 def synthetic_batches(
@@ -294,7 +298,186 @@ def synthetic_batches(
     return memory_batches(synth_table(spec, batch_size * num_batches, seed, stream=stream), batch_size, spec)
 
 
-# ---------------------------------------------------------------- row ranges (the trainer's input)
+def _concat(tables: Sequence[pa.Table]) -> pa.Table:
+    """Prepared tables as one; a row id column survives only if every table has it."""
+    names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if all(n in t.column_names for t in tables)]
+    return pa.concat_tables([t.select(names) for t in tables]) if tables else PREPARED_SCHEMA.empty_table()
+
+
+# ---------------------------------------------------------------- a worker's stream (Ray Data)
+
+
+def read_tasks(units: Sequence[Unit], batch_size: int, *, drop_last: bool = True,
+               rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> list[list[Unit]]:
+    """The rows of `units` cut into consecutive read tasks of whole batches, in order.
+
+    A task holds `rows_per_task` rows rounded down to whole batches (at least one). Without
+    `drop_last` a final short batch is a task of its own (a block holds batches of one size).
+    """
+    total = sum(u.rows for u in units)
+    per_task = max(1, rows_per_task // batch_size) * batch_size
+    whole = total - total % batch_size
+    bounds = [(s, min(per_task, whole - s)) for s in range(0, whole, per_task)]
+    if whole < total and not drop_last:
+        bounds.append((whole, total - whole))
+    out, rest, at = [], list(units), 0
+    for start, count in bounds:  # walk the units once: each task starts where the last one ended
+        rest = take_rows(rest, start - at)
+        out.append(take_rows(rest, 0, count))
+        at = start
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _datasource_class() -> type:
+    """`UnitsDatasource`, defined on first use (ray.data is a heavy import)."""
+    from ray.data import Datasource, ReadTask
+    from ray.data.block import BlockMetadata
+
+    class UnitsDatasource(Datasource):
+        """One worker's rows as read tasks of whole batches (`read_tasks`), in order."""
+
+        def __init__(self, inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
+                     drop_last: bool, rows_per_task: int) -> None:
+            super().__init__()
+            self.inputs, self.spec = inputs, spec
+            self.tasks = read_tasks(units, batch_size, drop_last=drop_last, rows_per_task=rows_per_task)
+
+        def get_name(self) -> str:
+            return "ReadUnits"
+
+        def estimate_inmemory_data_size(self) -> int | None:
+            return None  # no estimate: Ray Data then keeps one block per read task
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context: Any = None) -> list[Any]:
+            # every task, whatever the parallelism asked: a task is whole batches, in order
+            return [ReadTask(functools.partial(read_task_table, self.inputs, task, self.spec),
+                             BlockMetadata(num_rows=sum(u.rows for u in task), size_bytes=None, exec_stats=None,
+                                           input_files=tuple(sorted({self.inputs.files[u.file] for u in task}))))
+                    for task in self.tasks]
+
+    return UnitsDatasource
+
+
+def UnitsDatasource(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,  # noqa: N802
+                    drop_last: bool = True, rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> Any:
+    """A `ray.data.Datasource` of one worker's rows: its read tasks are consecutive runs of whole
+    batches of `units` (`read_tasks`), in order; each reads its ranges with `read_unit`."""
+    return _datasource_class()(inputs, units, spec, batch_size, drop_last=drop_last, rows_per_task=rows_per_task)
+
+
+def read_task_table(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec) -> list[pa.Table]:
+    """One read task: its ranges' prepared rows, as one table (one block)."""
+    formats: dict[int, str] = {}
+    tables = []
+    for unit in units:
+        fmt = formats.setdefault(unit.file, sniff_format(inputs.files[unit.file]))
+        tables += read_unit(inputs.files[unit.file], unit, spec, fmt)
+    return [_concat(tables).combine_chunks()]
+
+
+def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
+                drop_last: bool = True, multi_hot_seed: int = 0, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+                prefetch_blocks: int = DEFAULT_PREFETCH_BLOCKS,
+                num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK, stats: list | None = None) -> Iterator["Batch"]:
+    """The rows of `units`, in order, as torchrec Batches of `batch_size` rows, out of Ray Data.
+
+    Read tasks (each `rows_per_task` rows, rounded to whole batches) read, parse and collate in
+    Ray tasks reserving `num_cpus_per_task` CPU; up to `prefetch_blocks` collated blocks wait
+    ready in this process. A read error (a bad raw row, a missing file) is raised here, naming
+    file, line and field. With `drop_last` a final short batch is dropped (training parts are
+    whole batches, so none is); evaluation keeps it. `stats`, if given, gets the Dataset's
+    execution stats appended when the stream ends or is closed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    ds = units_dataset(inputs, units, spec, batch_size, drop_last=drop_last, multi_hot_seed=multi_hot_seed,
+                       rows_per_task=rows_per_task, num_cpus_per_task=num_cpus_per_task)
+    if ds is None:  # no whole batch: an empty generator (the loop closes what it is given)
+        return (b for b in ())
+    return _iterate(ds, prefetch_blocks, stats)
+
+
+def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
+                  drop_last: bool = True, multi_hot_seed: int = 0,
+                  rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> Iterator["Batch"]:
+    """`ray_batches`' read tasks run here, one after another, without Ray: for offline tools in
+    one process (`recgrid towers`). Training and evaluation read through `ray_batches`."""
+    for task in read_tasks(units, batch_size, drop_last=drop_last, rows_per_task=rows_per_task):
+        (table,) = read_task_table(inputs, task, spec)
+        cols = {n: table.column(n).to_numpy() for n in table.column_names}
+        yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed))
+
+
+def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None) -> Iterator["Batch"]:
+    blocks = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_blocks)
+    try:
+        for block in blocks:
+            yield from batches_of_block(block)
+    except Exception as e:  # a bad row's error as the read task raised it, not Ray's wrapping of it
+        data_error = _data_error(e)
+        if data_error is None:
+            raise
+        raise data_error from None
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            close()  # stops the stream's executor when the loop leaves early
+        if stats is not None:
+            text = ds.stats()
+            if text:
+                stats.append(text)
+
+
+def _data_error(e: BaseException) -> CriteoDataError | None:
+    """The CriteoDataError a Ray task raised, found inside Ray's exceptions (None if there is none)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, CriteoDataError):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__
+    return None
+
+
+def units_dataset(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
+                  drop_last: bool = True, multi_hot_seed: int = 0, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+                  num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK) -> "ray.data.Dataset | None":
+    """The Ray Dataset of collated batches of `units`' rows, in order (None: no batch at all)."""
+    import ray.data
+
+    source = UnitsDatasource(inputs, units, spec, batch_size, drop_last=drop_last, rows_per_task=rows_per_task)
+    if not source.tasks:
+        return None
+    with ordered_context():
+        ds = ray.data.read_datasource(source, override_num_blocks=len(source.tasks), num_cpus=num_cpus_per_task)
+        return ds.map_batches(collate_block, batch_size=None, batch_format="numpy", zero_copy_batch=True,
+                              num_cpus=num_cpus_per_task,
+                              fn_kwargs={"spec": spec, "batch_size": batch_size, "multi_hot_seed": multi_hot_seed})
+
+
+@contextlib.contextmanager
+def ordered_context():
+    """The Ray Data settings of a worker's stream, for the Datasets created inside (a Dataset
+    keeps the context it was created under): blocks come out in read-task order
+    (`preserve_order`), a read task's output stays one block (a block holds whole batches, so no
+    size limit may cut one), no progress bars."""
+    import logging
+
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # no line per stream started and finished
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # nor "progress bars disabled"
+    ctx = ray.data.DataContext.get_current()
+    options = copy.deepcopy(ctx.execution_options)
+    options.preserve_order = True
+    with data_context(execution_options=options, target_max_block_size=1 << 34, enable_progress_bars=False,
+                      print_on_execution_start=False):
+        yield
+
+
+# ---------------------------------------------------------------- files and row ranges
 
 
 def scan_inputs(patterns: str | Sequence[str], spec: DatasetSpec | None = None) -> Inputs:
@@ -346,70 +529,57 @@ def read_unit(path: str, unit: Unit, spec: DatasetSpec, fmt: str | None = None) 
             return
 
 
-def unit_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
-                 drop_last: bool = True, prefetch: int = 4, multi_hot_seed: int = 0) -> Iterator["Batch"]:
-    """The rows of `units`, in order, as torchrec Batches of `batch_size` rows.
-
-    Reading and collating run in a prefetch thread up to `prefetch` batches ahead. A read error
-    (a bad raw row, a missing file) is raised in the consumer, naming file, line and field.
-    With `drop_last`, a final short batch is dropped (the epoch plan gives training parts of
-    whole batches, so none is); evaluation keeps it.
-    """
-    import queue
-    import threading
-
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    collator = Collator(spec, multi_hot_seed)
-    formats: dict[int, str] = {}
-    out: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
-    stop = threading.Event()
-    done = object()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            carry: dict[str, np.ndarray] | None = None  # fewer than batch_size rows left over
-            for unit in units:
-                path = inputs.files[unit.file]
-                fmt = formats.setdefault(unit.file, sniff_format(path))
-                for table in read_unit(path, unit, spec, fmt):
-                    cols = _columns(table)  # one conversion per table, then numpy slices
-                    if carry is not None:
-                        cols = {k: np.concatenate([carry[k], v]) for k, v in cols.items()}
-                    n, i = len(cols[LABEL_NAME]), 0
-                    while n - i >= batch_size:
-                        if not put(collator({k: v[i:i + batch_size] for k, v in cols.items()})):
-                            return
-                        i += batch_size
-                    carry = {k: v[i:] for k, v in cols.items()} if i < n else None
-            if carry is not None and not drop_last:
-                put(collator(carry))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who raises it
-            put(e)
-        finally:
-            put(done)
-
-    threading.Thread(target=produce, name="recgrid-reader", daemon=True).start()
-    try:
-        while True:
-            item = out.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
-def _columns(table: pa.Table) -> dict[str, np.ndarray]:
-    return {name: table.column(name).to_numpy() for name in table.column_names}
+# ---------------------------------------------------------------- what the training loop consumes
+
+
+@dataclass
+class TrainData:
+    """A worker's training input: the job's epoch plan, read for this worker's part of it out of Ray
+    Data. `stats` collects the execution stats of every stream it made."""
+
+    plan: EpochPlan
+    spec: DatasetSpec
+    rank: int  # this worker's rank among the workers that train
+    workers: int  # how many train
+    stats: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    def segment_batches(self, cursor: DataCursor) -> tuple[int, Iterator[Any]]:
+        """(steps left in the cursor's segment, the batches of this worker's rest of it)."""
+        seg = self.plan.segment(cursor, self.workers)
+        if seg.steps_total == 0:
+            raise RuntimeError(
+                f"epoch {cursor.epoch} holds {sum(u.rows for u in seg.units):,} rows, fewer than one step of "
+                f"{self.workers} workers x {self.plan.batch_size} rows; use more data or a smaller train.batch_size")
+        part = seg.part(self.rank, cursor.steps)
+        return seg.steps_total - cursor.steps, ray_batches(self.plan.inputs, part, self.spec, self.plan.batch_size,
+                                                           stats=self.stats)
+
+
+@dataclass
+class EvalData:
+    """The evaluation files, split over the workers by rows (every row once, parts may differ by one)."""
+
+    inputs: Inputs
+    spec: DatasetSpec
+    batch_size: int
+    rank: int
+    workers: int
+    stats: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    def batches(self) -> Iterator[Any]:
+        units = self.inputs.units()
+        part = split_rows(units, even_sizes(self.inputs.total_rows, self.workers))[self.rank]
+        return ray_batches(self.inputs, part, self.spec, self.batch_size, drop_last=False, stats=self.stats)
+
+
+def stats_text(*sources: TrainData | EvalData | None) -> str:
+    """Ray Data's execution stats of every stream of `sources`, one section each (run artifact)."""
+    parts = []
+    for src in sources:
+        if src is None:
+            continue
+        kind = "training" if isinstance(src, TrainData) else "evaluation"
+        parts += [f"=== {kind} stream {i} ===\n{text}" for i, text in enumerate(src.stats)]
+    return "\n\n".join(parts) + "\n"

@@ -1,8 +1,9 @@
 """Epochs as ordered lists of row ranges, and the data cursor that makes them resumable.
 
-Ray Data's streaming split hands blocks to whichever worker asks first, so where a worker was
-in it cannot be written down or sought back to. recgrid's training input is instead a
-deterministic sequence: the job's files are cut into *units* (a file's row range, at most
+Ray Data's `streaming_split` hands blocks to whichever worker asks first, so where a worker was
+in it cannot be written down or sought back to (ray-project/ray#37633). recgrid's training input
+is instead a deterministic sequence, which each worker reads through a Ray Dataset of its own
+(`data.stream.ray_batches`: read tasks of whole batches cut from its units, in order): the job's files are cut into *units* (a file's row range, at most
 `rows_per_unit` rows), an epoch is the units in an order drawn from (seed, epoch), and a
 *segment* of an epoch is split over the workers that train it into equal contiguous parts of
 whole batches. Every worker takes one batch per step, so a step consumes the same number of

@@ -12,12 +12,17 @@ Layouts:
       of W every replica group is M/W whole nodes of its own and syncs over all their NICs (as
       TorchRec's DMPCollection lays it out for any M). Other M would split a node between replica groups.
   inter-host: sharding group i = [iL, ..., iL+L-1]; replica group j = [j, L+j, ...].
+      On a cluster of more than one node each sharding group must sit on nodes of its own (no node
+      shared by two sharding groups), so losing a host leaves every other sharding group whole.
+
+`check_cluster` refuses, before any worker starts, a cluster whose nodes cannot give the layout;
+`check_placement` checks where an attempt's workers really landed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 if TYPE_CHECKING:  # torch is heavy; the layout command and config validation do not need it
     import torch.distributed as dist
@@ -147,25 +152,72 @@ class Grid:
         return WorkerCoords(rank=rank, sharding_group=i, shard_rank=r, replica_group=r, replica_rank=i)
 
     # ---- the real nodes ------------------------------------------------------------------------
-    def check_placement(self, node_of_rank: Sequence[str]) -> None:
-        """Check the layout against where workers really run (`node_of_rank[r]` = node id of rank r).
+    def check_cluster(self, slots: Mapping[str, int], min_world_size: int | None = None) -> None:
+        """Refuse, before any worker starts, a cluster that cannot give this layout.
+
+        `slots[node]` is how many workers `node` can hold (from what it offers; `node` is the text
+        that names it in the error: id, address, resources). Nodes of no slot are ignored. Checked:
+        the nodes hold at least `min_world_size` (default T) workers; inter-host on more than one
+        node: at least as many nodes as the sharding groups the first attempt gets, each able to
+        give one of them L workers; host-local with replica groups of at most one node: enough
+        whole replica groups fit on single nodes. What Ray then really does is checked by
+        `check_placement` on the workers.
+        """
+        T, L = self.world_size, self.group_size
+        usable = {n: s for n, s in slots.items() if s > 0}
+        listing = "; ".join(f"{n}: {s} worker(s)" for n, s in slots.items()) or "none"
+        low = min_world_size or T
+        total = sum(usable.values())
+        if total < low:
+            raise GridError(
+                f"{self.layout} layout: the cluster's nodes hold {total} of the {low} workers the job needs "
+                f"(nodes: {listing}); add nodes, or lower train.cpus_per_worker or grid.world_size")
+        n = min(T, total // L * L)  # the workers the first attempt gets: whole sharding groups
+        groups = n // L
+        if self.layout == "inter-host" and len(usable) > 1 and groups > 1:
+            if len(usable) < groups:
+                raise GridError(
+                    f"inter-host layout: the M={groups} sharding groups need nodes of their own, but this "
+                    f"cluster has {len(usable)} nodes that can hold workers (nodes: {listing}); add nodes, "
+                    f"lower grid.num_groups to {len(usable)} or fewer, or use grid.layout=host-local")
+            if sum(min(s, L) for s in usable.values()) < groups * L:  # a node gives its sharding group at most L
+                raise GridError(
+                    f"inter-host layout: the M={groups} sharding groups of L={L} workers each need nodes of "
+                    f"their own, and these nodes cannot give each its L workers (nodes: {listing}); add "
+                    f"nodes or room on them (train.cpus_per_worker), or use grid.layout=host-local")
+        if self.layout == "host-local" and groups > 1:  # replica groups of M = n / L workers
+            M = groups
+            whole = sum(s // M for s in usable.values())
+            if M <= max(usable.values()) and whole * M < n:
+                raise GridError(
+                    f"host-local layout: each replica group of M={M} workers must sit on one node, but the "
+                    f"cluster's nodes hold only {whole} whole replica group(s), {whole * M} of the {n} "
+                    f"workers (nodes: {listing}); give each node room for a multiple of M workers "
+                    f"(train.cpus_per_worker), lower grid.num_groups, or use grid.layout=inter-host")
+
+    def check_placement(self, node_of_rank: Sequence[str], cluster_nodes: int = 1) -> None:
+        """Check the layout against where workers really run (`node_of_rank[r]` = node id of rank r;
+        `cluster_nodes`: how many nodes of the cluster could hold a worker).
 
         host-local: every replica group must sit on one node, or on whole nodes of its own (M a
         multiple of the workers per node: no node shared with another replica group).
-        inter-host: with more than one node, no replica group may sit wholly on one node
-        (so losing a host never loses every copy of a shard).
+        inter-host: on a cluster of more than one such node, no node may hold workers of two
+        sharding groups (so losing a host never loses a copy of every shard).
         """
         if len(node_of_rank) != self.world_size:
             raise GridError(
                 f"got node ids for {len(node_of_rank)} workers but the grid has T={self.world_size}"
             )
-        nodes = sorted(set(node_of_rank))
         per_node = _count(node_of_rank)
+        if self.layout == "inter-host":
+            self._check_sharding_groups_apart(node_of_rank, max(cluster_nodes, len(per_node)))
+            return
         for j, group in enumerate(self.replica_groups):
             where = sorted({node_of_rank[r] for r in group})
-            spans = self.layout == "host-local" and len(where) > 1
-            mine = _count([node_of_rank[r] for r in group]) if spans else {}
-            shared = [n for n in where if n in mine and mine[n] != per_node[n]]
+            if len(where) == 1:
+                continue
+            mine = _count([node_of_rank[r] for r in group])
+            shared = [n for n in where if mine[n] != per_node[n]]
             if shared:
                 raise GridError(
                     f"host-local layout: replica group {j} (ranks {group}) spans nodes {where} and shares "
@@ -173,12 +225,26 @@ class Grid:
                     f"on every node or be a multiple of them (workers per node: {per_node}), "
                     f"or use layout='inter-host'"
                 )
-            if self.layout == "inter-host" and len(nodes) > 1 and len(where) == 1 and self.num_groups > 1:
-                raise GridError(
-                    f"inter-host layout: replica group {j} (ranks {group}) sits wholly on node "
-                    f"{where[0]}, so losing that host loses every copy of shard {j}; "
-                    f"use layout='host-local' or spread the workers over more nodes"
-                )
+
+    def _check_sharding_groups_apart(self, node_of_rank: Sequence[str], cluster_nodes: int) -> None:
+        """inter-host: each sharding group on nodes of its own, when the cluster has more than one node."""
+        if self.num_groups == 1 or cluster_nodes < 2:
+            return
+        owner: dict[str, int] = {}
+        for i, group in enumerate(self.sharding_groups):
+            for r in group:
+                other = owner.setdefault(node_of_rank[r], i)
+                if other != i:
+                    where = {g: sorted({node_of_rank[x] for x in ranks}) for g, ranks in enumerate(self.sharding_groups)}
+                    raise GridError(
+                        f"inter-host layout: node {node_of_rank[r]} holds workers of sharding groups {other} and "
+                        f"{i} (nodes of each sharding group: {where}), so losing that host loses a copy of "
+                        f"shards in both; on this cluster of {cluster_nodes} nodes that can hold workers each "
+                        f"sharding group needs nodes of its own: confine the workers to M={self.num_groups} nodes "
+                        f"(or a multiple of M) with room for L={self.group_size} workers per sharding group "
+                        f"(train.resources_per_worker can name a resource only those nodes offer), "
+                        f"or use grid.layout=host-local"
+                    )
 
     # ---- process groups --------------------------------------------------------------------------
     def build_process_groups(self, device_type: str) -> "GridGroups | None":

@@ -84,7 +84,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
                   parent_run_id=parent_run_id)
     tracker.log_stack_versions()
     say(f"MLflow run {tracker.run_id} ({config.run_name}) in experiment {config.tracking.experiment!r} "
-        f"at {tracker.tracking_uri}")
+        f"at {tracker.display_uri}")
     status: dict[str, Any] = {}
     try:
         ensure_data(config)
@@ -151,9 +151,26 @@ def connect_ray(config: JobConfig) -> None:
     T, per_worker = config.grid.world_size, config.train.cpus_per_worker
     # the workers' share, plus room for the driver-side actors and tasks
     num_cpus = max(os.cpu_count() or 1, math.ceil(T * per_worker + 1))
+    # the one node offers the workers' custom resources (train.resources_per_worker) too
+    resources = {name: T * amount for name, amount in config.train.resources_per_worker.items()}
     # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
     connect(num_cpus, num_gpus=None if config.train.use_gpu else 0, say=say, log_to_driver=True,
-            runtime_env={"env_vars": env_vars}, logging_level="WARNING")
+            runtime_env={"env_vars": env_vars}, logging_level="WARNING", resources=resources or None)
+
+
+def worker_resources(config: JobConfig) -> dict[str, float]:
+    """The Ray resources each training worker asks for."""
+    t = config.train
+    return {"CPU": t.cpus_per_worker, **t.resources_per_worker, **({"GPU": 1} if t.use_gpu else {})}
+
+
+def check_cluster(config: JobConfig) -> None:
+    """Refuse, before any worker starts, a cluster whose nodes cannot give the job's layout
+    (`Grid.check_cluster`, from what each alive node offers); the error names the layout, the
+    nodes and what to change."""
+    from recgrid.train.placement import cluster_slots
+
+    config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
 
 
 def storage_path(config: JobConfig) -> str:
@@ -213,12 +230,14 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record, sharding_summary
     from recgrid.train.control import FailureClock, JobControl
+    from recgrid.train.placement import PLACEMENT_STRATEGY
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.worker import WorkerJob, train_replica, train_worker
 
     spec = config.dataset_spec()
     grid = config.build_grid()
+    check_cluster(config)
     plan = job_plan(config)
     tracker.log_params({"sharding": sharding_summary(plan)})
     tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
@@ -229,7 +248,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
 
     # on the driver's node (the head, under the Job API): they must outlive every worker node
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
+    actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(tracker.run_id, tracker.tracking_uri),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
     if on_start is not None:
         on_start(actors)
@@ -251,11 +270,10 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=t.use_gpu,
-            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})},
-            # packed workers fill a node before the next; with M dividing the workers per node (or a
-            # multiple of them) each replica group of the host-local layout then sits on one node (or
-            # on whole nodes of its own; the workers check it)
-            placement_strategy="PACK",
+            resources_per_worker=worker_resources(config),
+            # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
+            # the workers check where they landed
+            placement_strategy=PLACEMENT_STRATEGY[grid.layout],
             **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
         ),
         torch_config=torch_config(config),

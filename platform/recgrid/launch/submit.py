@@ -7,13 +7,24 @@ This module owns what a submission carries and how it talks to the cluster:
   reads the cluster's (absolute paths, object-store URIs, or relative paths in the shipped working
   directory, where git-ignored data such as `runs/` never goes); `recgrid train` checks them on the
   cluster before any worker starts, with the same sentence;
-- the job is the current directory (the working directory, respecting `.gitignore`; never
-  `.venv`, `runs/`, `.git` or caches) plus this recgrid package, running `python -m recgrid.cli
-  train CONFIG --set ...` there, so the code that validated the config is the code that runs;
+- the job ships only what the project tracks: the files `git ls-files` lists under the current
+  directory (the project directory) plus the config file, copied into a private staging
+  directory that becomes the job's working directory (untracked files such as `.env`, keys or
+  data never leave this machine, .gitignore or not; `.venv`, `runs/` and caches never go even
+  when tracked), plus this recgrid package, running `python -m recgrid.cli train CONFIG --set ...`
+  there, so the code that validated the config is the code that runs. What is shipped (file
+  count, size, the largest files) is printed before anything is sent. A home directory (or a
+  directory holding it) is refused as the project directory, and so is one that is not in a git
+  work tree;
+- the Job API is reached over `https://`, or `http://` to a loopback address only (a port-forward
+  or an SSH tunnel): the token travels in every request's header, so plain http across a network
+  is refused before any connection;
 - settings the job needs go in the runtime env's `env_vars` (the submitting shell's environment
   never reaches a job): `MLFLOW_TRACKING_URI` (a relative SQLite path made absolute) and the
   MLflow settings in `FORWARDED_ENV`. Credentials are not forwarded (a runtime env is shown on the
-  Ray dashboard): the cluster has its own;
+  Ray dashboard): the cluster has its own; a `user:pass@` in the tracking URI is stripped from
+  what is forwarded and from everything printed, and a `--set` override carrying one is refused
+  (the entrypoint is shown on the dashboard too); the token is never printed;
 - Ray 2.60 clusters require token authentication: the token is found where Ray looks
   (`RAY_AUTH_TOKEN`, the file at `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and token mode is
   switched on for this client when one is there; a cluster that asks for a token and gets none,
@@ -25,6 +36,7 @@ exit code when it FAILED, 1 otherwise), or with `--no-wait` prints how to follow
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import re
@@ -33,14 +45,17 @@ import shutil
 import subprocess
 import sys
 import time
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say
+from recgrid.tracking import has_credentials, redact_uri
 
-# never shipped, .gitignore or not (gitignore patterns, relative to the working directory)
+# never shipped, tracked by git or not (gitignore patterns, relative to the project directory)
 EXCLUDES = [".git", ".venv", "venv", "/runs/", "mlruns", "__pycache__", ".pytest_cache", "*.egg-info", "*.pyc"]
 # settings of the submitting shell the job needs (besides MLFLOW_TRACKING_URI, handled on its own)
 FORWARDED_ENV = ("MLFLOW_S3_ENDPOINT_URL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
@@ -52,6 +67,7 @@ CREDENTIALS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_
 TOKEN_HELP = ("copy the head node's token (`ray get-auth-token` there; a Secret on KubeRay) to ~/.ray/auth_token "
               "here, or set RAY_AUTH_TOKEN to it or RAY_AUTH_TOKEN_PATH to a file holding it")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+LARGEST_SHOWN = 3  # the largest shipped files named in the shipping line
 
 
 class SubmitError(Exception):
@@ -66,12 +82,14 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     try:
         address = cluster_address(args.address)
+        project = project_dir()
         entry = entrypoint(args.config, args.set)
+        files = shipped_files(project, args.config)
     except SubmitError as e:
         print(f"recgrid submit: {e}", file=sys.stderr)
         return 2
     try:
-        return submit(config, address, entry, wait=not args.no_wait)
+        return submit(config, address, entry, files, project, wait=not args.no_wait)
     except SubmitError as e:
         print(f"recgrid submit: {e}", file=sys.stderr)
         return 1
@@ -79,16 +97,60 @@ def run_cli(args: argparse.Namespace) -> int:
 
 # ---- what is submitted ------------------------------------------------------------------------------
 def cluster_address(address: str | None) -> str:
-    """`--address`, else $RAY_ADDRESS: the cluster's dashboard (Job API), e.g. http://head:8265."""
+    """`--address`, else $RAY_ADDRESS: the cluster's dashboard (Job API), https://HEAD:8265, or
+    http:// to a loopback address (a port-forward). Plain http to anything else is refused: the
+    token would cross the network in clear. Nothing is contacted here."""
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise SubmitError("no cluster to submit to: pass --address http://HEAD:8265 (the Ray dashboard's address) "
-                          "or set RAY_ADDRESS")
-    return address.rstrip("/")
+        raise SubmitError("no cluster to submit to: pass --address https://HEAD:8265 (the Ray dashboard's address), "
+                          "or http://127.0.0.1:8265 through a port-forward, or set RAY_ADDRESS")
+    address = address.rstrip("/")
+    shown = redact_uri(address)
+    if has_credentials(address):
+        raise SubmitError(f"{shown}: the address carries credentials; give the cluster's token through "
+                          f"RAY_AUTH_TOKEN or a token file instead ({TOKEN_HELP})")
+    parts = urlsplit(address if "://" in address else "http://" + address)
+    if parts.scheme == "https":
+        return address
+    if parts.scheme == "http" and _loopback(parts.hostname or ""):
+        return address
+    if parts.scheme == "http":
+        raise SubmitError(f"{shown}: plain http:// to a non-loopback address would send the cluster's token in "
+                          f"clear; use https:// (a TLS proxy in front of the dashboard), or reach the dashboard "
+                          f"through `kubectl port-forward` / an SSH tunnel and pass http://127.0.0.1:PORT")
+    raise SubmitError(f"{shown}: not a Job API address; pass https://HEAD:8265, or http://127.0.0.1:PORT through a "
+                      f"port-forward")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def project_dir() -> Path:
+    """The current directory, the project shipped with the job: never a home directory (nor a
+    directory holding one), which would ship ~/.ssh, ~/.aws, ~/.kube if anything went wrong."""
+    cwd = Path.cwd().resolve()
+    home = Path.home().resolve()
+    if cwd == home or cwd in home.parents:
+        raise SubmitError(f"{cwd} is {'your home directory' if cwd == home else 'a directory holding your home'}: "
+                          f"recgrid submit ships the project directory it runs in; cd into the project "
+                          f"(a git work tree holding the job's config) and run it there")
+    return cwd
 
 
 def entrypoint(config_path: str, overrides: list[str]) -> str:
-    """The job's command, run in the shipped working directory: the config must be shipped too."""
+    """The job's command, run in the shipped working directory: the config must be shipped too.
+    The entrypoint is shown on the Ray dashboard: an override carrying credentials is refused."""
+    for o in overrides:
+        if has_credentials(o):
+            raise SubmitError(f"--set {redact_uri(o)}: a URI with credentials would be shown on the Ray dashboard "
+                              f"(the job's command); give the tracking server's user and password to the cluster "
+                              f"as MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD instead")
     cwd = Path.cwd().resolve()
     path = Path(config_path).resolve()
     try:
@@ -98,7 +160,7 @@ def entrypoint(config_path: str, overrides: list[str]) -> str:
                           f"({cwd}); copy it there (e.g. into jobs/) or run recgrid submit from a directory "
                           f"that holds it") from None
     if _ignored(rel):
-        raise SubmitError(f"{rel}: the config lies in a path that is not shipped (.gitignore or {EXCLUDES}); "
+        raise SubmitError(f"{rel}: the config lies in a path that is never shipped ({EXCLUDES}); "
                           f"move it, e.g. into jobs/")
     args = ["python", "-m", "recgrid.cli", "train", rel] + [a for o in overrides for a in ("--set", o)]
     return shlex.join(args)
@@ -111,10 +173,57 @@ def _ignored(rel: str) -> bool:
         if (pattern.startswith("/") and parts[0] == name) or (not pattern.startswith("/") and any(
                 Path(p).match(name) for p in parts)):
             return True
+    return False
+
+
+def shipped_files(project: Path, config_path: str) -> list[str]:
+    """What the job ships, relative to `project`: the files git tracks under it (`git ls-files`;
+    untracked files never go, ignored or not) and the config, minus EXCLUDES."""
     if shutil.which("git") is None:
-        return False
-    # exit 0: ignored; 1: not ignored; 128: not a git work tree
-    return subprocess.run(["git", "check-ignore", "-q", rel], capture_output=True).returncode == 0
+        raise SubmitError("git is not installed: recgrid submit ships the files git tracks in the project directory")
+    p = subprocess.run(["git", "ls-files", "-z", "--cached", "--full-name", "--", "."], cwd=project,
+                       capture_output=True)
+    if p.returncode != 0:
+        raise SubmitError(f"{project} is not in a git work tree: recgrid submit ships only the files git tracks "
+                          f"(`git ls-files`) plus the config; run `git init` and `git add` the job's files, "
+                          f"or run it from the project's repository")
+    top = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=project, capture_output=True,
+                              text=True).stdout.strip()).resolve()
+    files = set()
+    for name in p.stdout.decode().split("\0"):
+        if not name:
+            continue
+        rel = (top / name).relative_to(project).as_posix()
+        if (project / rel).is_file() and not (project / rel).is_symlink() and not _ignored(rel):
+            files.add(rel)
+    files.add(Path(config_path).resolve().relative_to(project).as_posix())
+    return sorted(files)
+
+
+def describe(project: Path, files: list[str]) -> str:
+    """One line: how many files, their size, the largest few."""
+    sizes = sorted(((project / f).stat().st_size, f) for f in files)
+    largest = ", ".join(f"{f} ({_size(s)})" for s, f in reversed(sizes[-LARGEST_SHOWN:]))
+    return (f"shipping {len(files)} file(s), {_size(sum(s for s, _ in sizes))}, from {project} (the files git "
+            f"tracks there plus the config; untracked files stay here); largest: {largest}")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def stage(project: Path, files: list[str]) -> Path:
+    """A private copy (mode 0700) of exactly `files`: the directory Ray packs as the working_dir."""
+    root = Path(tempfile.mkdtemp(prefix="recgrid-submit-"))
+    for rel in files:
+        dest = root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(project / rel, dest)
+    return root
 
 
 def job_env(config: JobConfig) -> tuple[dict[str, str], list[str]]:
@@ -125,12 +234,18 @@ def job_env(config: JobConfig) -> tuple[dict[str, str], list[str]]:
     if uri:
         if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # relative: make it this directory's
             uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).absolute())
+        if has_credentials(uri):
+            uri = redact_uri(uri, keep="")
+            notes.append("not forwarded: the user and password in MLFLOW_TRACKING_URI (a runtime env is visible "
+                         "on the Ray dashboard); the cluster needs MLFLOW_TRACKING_USERNAME / "
+                         "MLFLOW_TRACKING_PASSWORD of its own")
         env["MLFLOW_TRACKING_URI"] = uri
     for name in FORWARDED_ENV:
         if os.environ.get(name):
             env[name] = os.environ[name]
     if config.tracking.tracking_uri:
-        notes.append(f"MLflow: the run goes to {config.tracking.tracking_uri} (tracking.tracking_uri in the config)")
+        notes.append(f"MLflow: the run goes to {redact_uri(config.tracking.tracking_uri)} (tracking.tracking_uri in "
+                     f"the config)")
     elif uri:
         notes.append(f"MLflow: the run goes to {uri} (MLFLOW_TRACKING_URI, forwarded to the job)"
                      + ("; a SQLite file: the cluster's nodes must see this path" if uri.startswith("sqlite:") else ""))
@@ -145,11 +260,11 @@ def job_env(config: JobConfig) -> tuple[dict[str, str], list[str]]:
     return env, notes
 
 
-def runtime_env(env_vars: dict[str, str]) -> dict[str, Any]:
+def runtime_env(env_vars: dict[str, str], working_dir: Path) -> dict[str, Any]:
     import recgrid
 
     return {
-        "working_dir": str(Path.cwd()),
+        "working_dir": str(working_dir),
         # this package, whatever the cluster's image holds: PYTHONPATH puts it first
         "py_modules": [str(Path(recgrid.__file__).resolve().parent)],
         "excludes": EXCLUDES,
@@ -189,7 +304,7 @@ def _auth_sentence(error: BaseException, address: str, source: str | None) -> st
 
 
 # ---- the job ----------------------------------------------------------------------------------------
-def submit(config: JobConfig, address: str, entry: str, wait: bool = True) -> int:
+def submit(config: JobConfig, address: str, entry: str, files: list[str], project: Path, wait: bool = True) -> int:
     source = enable_token_auth()
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
@@ -200,22 +315,24 @@ def submit(config: JobConfig, address: str, entry: str, wait: bool = True) -> in
 
     env_vars, notes = job_env(config)
     try:
-        client = JobSubmissionClient(address)
+        client = JobSubmissionClient(address, verify=True)
     except AuthenticationError as e:
         raise SubmitError(_auth_sentence(e, address, source)) from None
     except ConnectionError as e:
         raise SubmitError(f"cannot reach the Ray cluster's Job API at {address} ({e}); is the address the head's "
                           f"dashboard (port 8265) and is the cluster up?") from None
     job_id = re.sub(r"[^a-z0-9_-]+", "-", f"recgrid-{config.run_name}-{uuid.uuid4().hex[:8]}".lower())
-    say(f"submitting {entry!r} to {address} as job {job_id}; shipping {Path.cwd()} (.gitignore respected; "
-        f"no .venv, runs/, caches)")
+    say(f"submitting {entry!r} to {address} as job {job_id}; {describe(project, files)}")
     for note in notes:
         say(note)
+    staged = stage(project, files)
     try:
-        client.submit_job(entrypoint=entry, submission_id=job_id, runtime_env=runtime_env(env_vars),
+        client.submit_job(entrypoint=entry, submission_id=job_id, runtime_env=runtime_env(env_vars, staged),
                           metadata={"recgrid.run_name": config.run_name, "recgrid.experiment": config.tracking.experiment})
     except AuthenticationError as e:
         raise SubmitError(_auth_sentence(e, address, source)) from None
+    finally:  # uploaded (or refused): the copy is no longer needed
+        shutil.rmtree(staged, ignore_errors=True)
     mode = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
     stop = f"{mode}ray job stop --address {shlex.quote(address)} {job_id}"
     say(f"job {job_id} submitted; stop it with:  {stop}")

@@ -31,7 +31,7 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
     from torchrec.models.dlrm import SparseArch
 
     from recgrid.data.specs import get_spec
-    from recgrid.data.stream import scan_inputs, unit_batches
+    from recgrid.data.stream import local_batches, scan_inputs
     from recgrid.engine.grid import Grid
     from recgrid.engine.model import ModelSpec
     from recgrid.config import defaults
@@ -48,13 +48,13 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
     else:
         def epochs():
             while True:
-                yield from unit_batches(inputs, inputs.units(), spec, batch_size)
+                yield from local_batches(inputs, inputs.units(), spec, batch_size)
 
         trainer.run(epochs(), steps)
     sparse = next(m for m in trainer.model.modules() if isinstance(m, SparseArch))
     out, have = [], 0
     with torch.no_grad():
-        for batch in unit_batches(inputs, inputs.units(), spec, 1024, drop_last=False):
+        for batch in local_batches(inputs, inputs.units(), spec, 1024, drop_last=False):
             out.append(sparse(batch.sparse_features).numpy())
             have += len(out[-1])
             if have >= samples:

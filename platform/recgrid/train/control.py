@@ -4,7 +4,8 @@
 watch, apart from recovery (`train.recovery`: snapshot holders, the restore plan, recovery
 events):
 - the attempts: each worker group Ray Train starts (or, with torchft, each replica group), with
-  every worker's rank, pid and node, and when the controller first saw the failure that led to
+  every worker's rank, pid and node (recorded in the run as `grid/ranks.json` once an attempt's
+  workers have all registered, `train.placement.record_ranks`), and when the controller first saw the failure that led to
   it (`FailureClock`, a Ray Train callback in the controller);
 - the stop flag: `request_stop()` asks the job to end at its next logging interval, as if it
   had reached max_steps (the workers agree on it through their trainer's replica component);
@@ -27,7 +28,8 @@ HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
 class JobControlImpl:
     """The job's attempts, stop flag, heartbeats and logged-up-to mark (one actor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None, tracking_uri: str | None = None) -> None:
+        self.run_id, self.tracking_uri = run_id, tracking_uri  # where grid/ranks.json goes
         self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node, notes)
         self.failure_time: float | None = None  # when the controller first saw the current failure
         self.last_step = 0  # newest step any attempt finished (the logging worker's heartbeat)
@@ -42,7 +44,16 @@ class JobControlImpl:
         return len(self.attempts) - 1
 
     def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
-        self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
+        """A worker of `attempt` started; once all have, the run's grid/ranks.json is rewritten."""
+        from recgrid.train.placement import record_ranks
+
+        workers = self.attempts[attempt]["workers"]
+        workers[rank] = {"pid": pid, "node": node_id}
+        if len(workers) == self.attempts[attempt]["world_size"]:
+            try:
+                record_ranks(self.run_id, self.tracking_uri, self.attempts)
+            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
+                print(f"recgrid: could not record {len(workers)} ranks of attempt {attempt} in the run: {e}", flush=True)
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""

@@ -23,6 +23,7 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `time/interval_s` | wall seconds of the logging interval (slowest worker) |
 | `time/<phase>_s` | seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: `lookup` (the sparse arch's forward: id all-to-all, embedding lookup, pooled all-to-all inside the sharding group), `lookup_kernel` (this worker's fused-kernel lookups alone, inside `lookup`), `dense` (the rest of the step: interaction, MLPs, backward with the fused embedding update, dense optimizer), `sync` (replica-group sync of weights and optimizer states), `data_wait` (waiting for the next batch), `snapshot` (handing in-memory copies of the shards to the node's holder, at snapshot steps), `checkpoint` (writing a storage checkpoint). On GPU workers the phases are timed with CUDA events on the compute stream and read once per interval: `lookup`, `dense` and `sync` are device time (`dense` is the step's device time minus its `lookup`), `data_wait` is the host's wait for the next batch, which the training pipeline overlaps with device work |
 | `time/<phase>_s_max` | the same, max over workers |
+| `data/wait_s` | seconds the trainer waited for its next batch from Ray Data during the interval (the `data_wait` phase), max over workers: every step waits for the slowest worker's input |
 | `imbalance/lookup_max_over_mean` | lookup imbalance ratio, as in the 2D paper: max / mean over workers of per-worker embedding-lookup seconds in the interval (the training loop feeds it `lookup_kernel`, the kernels' own time, free of all-to-all waits; 1 = balanced) |
 | `sync/count` | replica syncs so far (0 when M = 1) |
 | `sync/seconds_total`, `sync/seconds_last` | seconds this worker spent in replica syncs so far, and in the last one |
@@ -511,6 +512,8 @@ def reduce_metrics(
         for k, name in enumerate(train.timer.phases):
             out[f"time/{name}_s"] = float(s["phases"][k]) / workers
             out[f"time/{name}_s_max"] = float(mx["phases"][k])
+        if "data_wait" in train.timer.phases:  # the job steps in lockstep: the slowest input sets the pace
+            out["data/wait_s"] = out["time/data_wait_s_max"]
         mean_lookup = out[f"time/{train.imbalance_phase}_s"]
         if mean_lookup > 0:  # one name whichever phase measures it, so runs stay comparable
             out["imbalance/lookup_max_over_mean"] = out[f"time/{train.imbalance_phase}_s_max"] / mean_lookup

@@ -59,7 +59,8 @@ from torch import nn
 
 from recgrid.config import JobConfig
 from recgrid.data.specs import DatasetSpec
-from recgrid.data.units import DataCursor, EpochPlan, Inputs, even_sizes, split_rows
+from recgrid.data.stream import EvalData, TrainData
+from recgrid.data.units import DataCursor
 from recgrid.engine.device import autocast, configure_matmul, pipelined, resolve_precision, synchronize
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import ModelSpec, build_model
@@ -283,46 +284,6 @@ class LoopResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     examples: int = 0
     wall_seconds: float = 0.0
-
-
-@dataclass
-class TrainData:
-    """A worker's training input: the job's epoch plan, read for this worker's part of it."""
-
-    plan: EpochPlan
-    spec: DatasetSpec
-    rank: int  # this worker's rank among the workers that train
-    workers: int  # how many train
-
-    def segment_batches(self, cursor: DataCursor) -> tuple[int, Iterator[Any]]:
-        """(steps left in the cursor's segment, the batches of this worker's rest of it)."""
-        from recgrid.data.stream import unit_batches
-
-        seg = self.plan.segment(cursor, self.workers)
-        if seg.steps_total == 0:
-            raise RuntimeError(
-                f"epoch {cursor.epoch} holds {sum(u.rows for u in seg.units):,} rows, fewer than one step of "
-                f"{self.workers} workers x {self.plan.batch_size} rows; use more data or a smaller train.batch_size")
-        part = seg.part(self.rank, cursor.steps)
-        return seg.steps_total - cursor.steps, unit_batches(self.plan.inputs, part, self.spec, self.plan.batch_size)
-
-
-@dataclass
-class EvalData:
-    """The evaluation files, split over the workers by rows (every row once, parts may differ by one)."""
-
-    inputs: Inputs
-    spec: DatasetSpec
-    batch_size: int
-    rank: int
-    workers: int
-
-    def batches(self) -> Iterator[Any]:
-        from recgrid.data.stream import unit_batches
-
-        units = self.inputs.units()
-        part = split_rows(units, even_sizes(self.inputs.total_rows, self.workers))[self.rank]
-        return unit_batches(self.inputs, part, self.spec, self.batch_size, drop_last=False)
 
 
 class Trainer:
@@ -591,7 +552,7 @@ class Trainer:
                 if stop or st.step >= loop.max_steps:
                     break
             steps.close()  # drops a pipeline still holding prefetched batches
-            batches.close()  # stops the reader's prefetch thread
+            batches.close()  # stops this worker's Ray Data stream
             if self._interrupted == "reload":  # a heal replaced the state: the data resumes at its cursor
                 continue
             if self._interrupted == "end":  # the replicas say nothing is left to train

@@ -30,10 +30,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from recgrid.data.stream import EvalData, TrainData, stats_text
 from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
 from recgrid.train.control import Heartbeat
-from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
+from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
 START_WAIT_S = 120  # torchft's first start: how long replicas wait for each other, so the first quorum has all of them
 
@@ -166,6 +167,8 @@ def train_worker(cfg: dict) -> None:
     hooks = FitHooks(on_log=on_log, on_step=rows.on_step if rows else None, after_step=after_step,
                      stop_requested=(lambda t: ray.get(control.stop_requested.remote())) if rank == 0 else None)
     trainer.fit(data, job.loop, eval_data, hooks)
+    if report and report.tracker is not None:  # Ray Data's execution stats of this worker's streams
+        report.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
     trainer.close()
     snapshotter.close()
     if system is not None:
@@ -234,7 +237,13 @@ def _wait_for_peers(control: Any, replicas: int) -> None:
 
 def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     """This attempt's grid: as many whole sharding groups of L as the workers allow (at most the
-    job's T), checked against the nodes the workers run on."""
+    job's T), checked against the nodes the workers run on and, for inter-host, the nodes of the
+    cluster that could hold a worker (counted by rank 0 and broadcast, so every rank decides
+    alike: collective over the default process group)."""
+    import torch.distributed as dist
+
+    from recgrid.train.placement import usable_nodes
+
     L = job.group_size
     n = min(job.max_world_size, len(nodes) // L * L)
     if n == 0:
@@ -243,7 +252,9 @@ def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     counts = Counter(nodes[:n])
     per_node = next(iter(counts.values())) if len(set(counts.values())) == 1 else None
     grid = Grid(n, n // L, job.layout, workers_per_node=per_node)  # type: ignore[arg-type]
-    grid.check_placement(nodes[:n])
+    cluster = [usable_nodes() if dist.get_rank() == 0 and job.layout == "inter-host" else 1]
+    dist.broadcast_object_list(cluster, src=0)
+    grid.check_placement(nodes[:n], cluster_nodes=cluster[0])
     return grid
 
 
