@@ -232,10 +232,11 @@ def one_worker_step(spec_name: str, batch: int, sharding: str, start_at: float, 
     from recgrid.engine.grid import Grid
     from recgrid.engine.model import ModelSpec
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec(spec_name)
-    config = EngineConfig(spec=spec, model=ModelSpec(), sharding=sharding, lr=0.05)
+    config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(), sharding=sharding, lr=0.05)
     trainer = Trainer.build(Grid(1, 1), config, torch.device("cpu"))
     batches = [b for b, _ in zip(random_batches(spec, batch, seed=0), range(16))]
     for i in range(5):

@@ -167,6 +167,7 @@ def _qps_worker(cfg: dict) -> None:
     from recgrid.data.stream import local_batches, ray_batches
     from recgrid.data.units import DataCursor, EpochPlan
     from recgrid.engine.grid import Grid
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     ctx = ray.train.get_context()
@@ -174,7 +175,7 @@ def _qps_worker(cfg: dict) -> None:
     rank, T = ctx.get_world_rank(), ctx.get_world_size()
     grid = Grid(T, cfg["num_groups"])
     spec, B, warmup, steps = cfg["spec"], cfg["batch_size"], cfg["warmup"], cfg["steps"]
-    state = Trainer.build(grid, EngineConfig(spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
+    state = Trainer.build(grid, EngineConfig.from_job(defaults(), spec=spec, sync_every=cfg["sync_every"]), torch.device("cpu"))
     part = EpochPlan(cfg["inputs"], seed=0, batch_size=B).segment(DataCursor(), T).part(rank)
 
     def timed(batches) -> dict:

@@ -84,7 +84,7 @@ def _nccl_worker(port: int, rank: int, world_size: int, q: Any, fn: Callable[...
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         from recgrid.engine.device import worker_device
-        from recgrid.launch.local import quiet_libraries
+        from recgrid.logs import quiet_libraries
 
         quiet_libraries()
         device = worker_device(rank, use_gpu=True)
@@ -111,11 +111,12 @@ def loop_probe(device: torch.device, M: int, steps: int) -> dict:
     batches at fp32 with K=2: losses, how the sharded modules ran, and per sync a shard digest."""
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     T, rank = dist.get_world_size(), dist.get_rank()
     grid = Grid(T, M)
-    engine = EngineConfig(spec=SMALL, seed=3, precision="fp32", sync_every=2)
+    engine = EngineConfig.from_job(defaults(), spec=SMALL, seed=3, precision="fp32", sync_every=2)
     batches = list(itertools.islice(random_batches(SMALL, 512, seed=rank), steps))
     out: dict[str, Any] = {"shard_rank": grid.coords(rank).shard_rank}
     for name, pipeline in (("plain", False), ("pipelined", True)):
@@ -180,11 +181,12 @@ def fp16_probe(device: torch.device, steps: int) -> dict:
     """T=3, M=3, K=1, fp16 tables: ids only in the lower half of every table, so the upper half
     is never trained; it must come out of `steps` syncs bit-identical to where it started."""
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     T, rank = dist.get_world_size(), dist.get_rank()
     spec = SMALL
-    engine = EngineConfig(spec=spec, model=ModelSpec(embedding_dtype="fp16"), seed=3, sync_every=1)
+    engine = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(embedding_dtype="fp16"), seed=3, sync_every=1)
     t = Trainer.build(Grid(T, T), engine, device)
     weights = [w for w in t.shard_tensors() if w.dtype == torch.float16]
     before = [w.detach().clone() for w in weights]
@@ -224,13 +226,14 @@ def check_fp16_untouched_rows_unchanged(a: argparse.Namespace, T: int) -> dict:
 
 # ---- memory at start-up -----------------------------------------------------------------------------
 def memory_probe(device: torch.device, M: int, rows_cap: int) -> dict:
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     T = dist.get_world_size()
     spec = get_spec("criteo_kaggle", rows_cap)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    t = Trainer.build(Grid(T, M), EngineConfig(spec=spec, model=MLPERF, seed=3), device)  # plans, shards, aligns
+    t = Trainer.build(Grid(T, M), EngineConfig.from_job(defaults(), spec=spec, model=MLPERF, seed=3), device)  # plans, shards, aligns
     torch.cuda.synchronize(device)
     shard = sum(x.numel() * x.element_size() for x in t.shard_tensors())
     dense = sum(p.numel() * p.element_size() for n, p in t.model.named_parameters() if "embedding_bag" not in n)
@@ -312,10 +315,11 @@ def eval_probe(device: torch.device, eval_glob: str, steps: int) -> dict:
     from recgrid.engine.device import autocast
     from recgrid.launch.smoke import random_batches
     from recgrid.train.metrics import EvalMetrics, reduce_metrics
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, EvalData, Trainer
 
     T, rank = dist.get_world_size(), dist.get_rank()
-    t = Trainer.build(Grid(T, 1), EngineConfig(spec=SMALL, seed=3, precision="bf16"), device)
+    t = Trainer.build(Grid(T, 1), EngineConfig.from_job(defaults(), spec=SMALL, seed=3, precision="bf16"), device)
     t.run(itertools.islice(random_batches(SMALL, 1024, seed=rank), steps), steps)
     data = EvalData(scan_inputs(eval_glob, SMALL), SMALL, 1024, rank, T)
     ours = t.evaluate(data)
@@ -373,9 +377,10 @@ def qps_probe(device: torch.device, loop: str, precision: str, batch: int, steps
     warmup = 10
 
     if loop == "recgrid":
+        from recgrid.config import defaults
         from recgrid.train.trainer import EngineConfig, Trainer
 
-        t = Trainer.build(Grid(T, M), EngineConfig(spec=spec, model=MLPERF, seed=3, precision=precision), device)
+        t = Trainer.build(Grid(T, M), EngineConfig.from_job(defaults(), spec=spec, model=MLPERF, seed=3, precision=precision), device)
         t.run(itertools.cycle(pool), warmup)
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -394,7 +399,7 @@ def qps_probe(device: torch.device, loop: str, precision: str, batch: int, steps
         from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 
         model = build_model(spec, MLPERF, seed=3, dense_device=device)
-        sharder = EmbeddingBagCollectionSharder(fused_params=MomentScaledRowWiseAdagrad(moment_scale=1).fused_params())
+        sharder = EmbeddingBagCollectionSharder(fused_params=MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=1).fused_params())
         topology = Topology(world_size=T, compute_device="cuda", hbm_cap=device_memory_bytes(device))
         plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], dist.group.WORLD)
         dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,

@@ -187,6 +187,7 @@ def study_worker(M: int, configs: list[RunConfig], seeds: list[int], setting: Se
 
     from recgrid.engine.model import ModelSpec
     from recgrid.engine.sync import embedding_weights
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     rank = dist.get_rank()
@@ -200,7 +201,7 @@ def study_worker(M: int, configs: list[RunConfig], seeds: list[int], setting: Se
         for cfg in configs:
             t0 = time.perf_counter()
             frozen = cfg.kind == "dense_only"
-            config = EngineConfig(
+            config = EngineConfig.from_job(defaults(), 
                 spec=spec, model=ModelSpec(embedding_dim=setting.embedding_dim),
                 lr=1e-30 if frozen else setting.lr, eps=setting.eps, moment_scale=cfg.moment_scale,
                 dense_optimizer=setting.dense_optimizer, dense_lr=setting.dense_lr, sync_every=cfg.sync_every,

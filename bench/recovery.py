@@ -83,7 +83,7 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_stor
     kill = None
     while job.is_alive() and kill is None:
         c = box.get("c")
-        st = ray.get(c.status.remote()) if c is not None else None
+        st = c.status() if c is not None else None  # the job's actors (launch.ray.JobActors)
         # kill right after a snapshot/checkpoint step's successor, the same place in every case
         if st and st["attempts"] and st["last_step"] >= kill_after_step:
             workers = st["attempts"][0]["workers"]

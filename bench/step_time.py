@@ -32,10 +32,11 @@ from recgrid.data.specs import get_spec
 
 def bench_worker(grid: Grid, sync_every: int, steps: int, warmup: int, batch_size: int, spec_name: str,
                  sharding: str) -> dict:
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec(spec_name)
-    config = EngineConfig(spec=spec, model=ModelSpec(), sync_every=sync_every, sharding=sharding, lr=0.05)  # c = M
+    config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(), sync_every=sync_every, sharding=sharding, lr=0.05)  # c = M
     state = Trainer.build(grid, config, torch.device("cpu"))
     # batches made up front so data generation is not in the step time
     pool = [b for b, _ in zip(random_batches(spec, batch_size, seed=dist.get_rank()), range(32))]

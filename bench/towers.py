@@ -37,6 +37,7 @@ def run_configs(configs: list[dict], data: str, eval_data: str, spec_name: str, 
     from recgrid.data.units import EpochPlan
     from recgrid.engine.grid import Grid
     from recgrid.engine.towers import TowerConfig
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
 
     spec = get_spec(spec_name)
@@ -49,7 +50,7 @@ def run_configs(configs: list[dict], data: str, eval_data: str, spec_name: str, 
             towers = TowerConfig(tuple(tuple(t) for t in c["partition"]), module=c["module"],
                                  compression=c["cr"], source=c["source"])
         grid = Grid(T, 1, workers_per_node=c["workers_per_node"])
-        config = EngineConfig(spec=spec, sharding="table_wise", seed=seed, towers=towers)
+        config = EngineConfig.from_job(defaults(), spec=spec, sharding="table_wise", seed=seed, towers=towers)
         t0 = time.perf_counter()
         trainer = Trainer.build(grid, config, torch.device("cpu"))
         step_times: list[float] = []
@@ -60,7 +61,7 @@ def run_configs(configs: list[dict], data: str, eval_data: str, spec_name: str, 
                 step_times.append(values["train/step_time_s"])
             last.update({k: v for k, v in values.items() if k.startswith(("exchange/", "time/lookup_s", "time/dense_s"))})
 
-        loop = LoopConfig(max_steps=steps, batch_size=batch, log_every=25)
+        loop = LoopConfig.from_job(defaults(), max_steps=steps, batch_size=batch, log_every=25)
         metrics = trainer.fit(TrainData(EpochPlan(train_inputs, seed, batch, 65_536), spec, rank, T), loop,
                               EvalData(eval_inputs, spec, 1024, rank, T), FitHooks(on_log=on_log))
         trainer.close()

@@ -1,5 +1,5 @@
 """Helpers for the fault-tolerance tests: a small job config, a job run in the background
-with its recovery coordinator in reach, and the row-id audit of what a job trained."""
+with its actors (job control, recovery coordinator) in reach, and the row-id audit of what a job trained."""
 
 from __future__ import annotations
 
@@ -31,28 +31,31 @@ def small_job(tmp: Path, name: str, *overrides: str):
 
 
 class BackgroundJob:
-    """`run_job(config)` in a thread; `status()` reads the job's recovery coordinator."""
+    """`run_job(config)` in a thread; `status()` reads the job's actors (`launch.ray.JobActors`)."""
 
     def __init__(self, config: Any) -> None:
         from recgrid.launch.ray import run_job
 
-        self.coordinator = None
+        self.actors = None
         self.result = None
         self.thread = threading.Thread(target=self._run, args=(run_job, config), daemon=True)
         self.thread.start()
 
     def _run(self, run_job: Callable, config: Any) -> None:
-        self.result = run_job(config, on_start=lambda c: setattr(self, "coordinator", c))
+        self.result = run_job(config, on_start=lambda actors: setattr(self, "actors", actors))
 
     def status(self) -> dict | None:
-        import ray
-
-        if self.coordinator is None:
+        if self.actors is None:
             return None
         try:
-            return ray.get(self.coordinator.status.remote(), timeout=10)
+            return self.actors.status(timeout=10)
         except Exception:  # noqa: BLE001 - the job may be between states
             return None
+
+    def request_stop(self) -> None:
+        import ray
+
+        ray.get(self.actors.control.request_stop.remote())
 
     def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 300) -> dict:
         """Poll until `predicate(status)` holds (the job must still be running)."""

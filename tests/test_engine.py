@@ -17,9 +17,10 @@ SPEC = get_spec("tiny")
 
 
 def _config(grid, sharding, sync_every, delayed=False, dim=None):
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
-    return EngineConfig(
+    return EngineConfig.from_job(defaults(), 
         spec=SPEC, model=ModelSpec(embedding_dim=dim),
         lr=0.05,  # c defaults to M
         sync_every=sync_every, delayed_moment_sync=delayed, sharding=sharding, seed=7,

@@ -72,11 +72,14 @@ def test_unknown_precisions_are_refused():
 
 
 def test_engine_config_carries_precision_and_table_dtype():
-    from recgrid.launch.ray import engine_config
+    from recgrid.engine.device import resolve_precision
+    from recgrid.config import defaults
+    from recgrid.train.trainer import EngineConfig
 
-    e = engine_config(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))
+    e = EngineConfig.from_job(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))
     assert e.precision == "bf16" and e.model.embedding_dtype == "fp16"
-    assert engine_config(_config()).precision == "fp32"
+    # null: the device's default, resolved by the trainer (fp32 on a CPU worker)
+    assert resolve_precision(torch.device("cpu"), EngineConfig.from_job(_config()).precision) == "fp32"
 
 
 def test_tables_carry_torchrec_data_type():
@@ -160,11 +163,12 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
     and the loss; per sync point: a digest of the shards."""
     from recgrid.data.stream import scan_inputs
     from recgrid.data.units import EpochPlan
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
-    engine = EngineConfig(spec=SPEC, sync_every=2, seed=5)
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, seed=5)
     train, ev = scan_inputs(train_dir, SPEC), scan_inputs(eval_dir, SPEC)
 
     def data():
@@ -179,18 +183,21 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
             rec["rows"][t.state.step] = batch.row_ids.tolist()
             rec["loss"][t.state.step] = float(out.loss)
 
-        def at_sync_point(t):
+        def at_sync_point(step):
+            if step % engine.sync_every:
+                return
+            t = trainer
             rec["digest"][t.state.step] = float(sum(x.double().sum() for x in t.shard_tensors()))
-            if snaps is not None:
-                snaps[t.state.step] = t.snapshot()
+            if snaps is not None:  # with the NE window summed over the workers, as a restore loads it
+                snaps[t.state.step] = (t.snapshot(), t.metrics.window_state(t.groups.global_pg))
 
         def on_log(values, step):
             if "eval/ne" in values:
                 rec["evals"].append((step, values["eval/ne"]))
 
-        hooks = FitHooks(on_log=on_log, at_sync_point=at_sync_point, on_step=on_step,
+        hooks = FitHooks(on_log=on_log, after_step=[at_sync_point], on_step=on_step,
                          stop_requested=lambda t: stop_at is not None and t.state.step >= stop_at)
-        trainer.fit(data(), LoopConfig(max_steps=STEPS, batch_size=BATCH, log_every=LOG, eval_every=EVAL),
+        trainer.fit(data(), LoopConfig.from_job(defaults(), max_steps=STEPS, batch_size=BATCH, log_every=LOG, eval_every=EVAL),
                     eval_data, hooks)
         rec["cursor"] = trainer.state.cursor.state_dict()
         rec["step"], rec["examples"] = trainer.state.step, trainer.state.examples
@@ -203,8 +210,8 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
     snaps: dict = {}
     stopped = fit(p, stop_at=STOP, snaps=snaps)
     went_on = fit(p)
-    snap = snaps[STOP]
-    p.restore(snap.shard, snap.dense, snap.progress, snap.window)
+    snap, window = snaps[STOP]
+    p.load_snapshot(snap, window)
     restored = fit(p)
     a.close()
     p.close()
@@ -220,9 +227,10 @@ def _run_probe() -> dict:
 
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
-    engine = EngineConfig(spec=SPEC, sharding="row_wise", seed=4)
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, sharding="row_wise", seed=4)
     batches = list(itertools.islice(random_batches(SPEC, 32, seed=dist.get_rank()), 12))
     a = Trainer.build(Grid(2, 1), engine, torch.device("cpu"))  # the CPU default
     plain = a.run(iter(batches), 8).losses
@@ -334,7 +342,7 @@ def _nccl_worker(port, rank, world_size, q, fn, args):
                       LOCAL_RANK=str(rank))
     try:
         from recgrid.engine.device import worker_device
-        from recgrid.launch.local import quiet_libraries
+        from recgrid.logs import quiet_libraries
 
         quiet_libraries()
         device = worker_device(rank, use_gpu=True)
@@ -351,9 +359,10 @@ def _gpu_losses(device, steps: int) -> dict:
 
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
-    engine = EngineConfig(spec=SPEC, seed=2, precision="fp32")  # IEEE fp32 matmuls: comparable losses
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2, precision="fp32")  # IEEE fp32 matmuls: comparable losses
     batches = list(itertools.islice(random_batches(SPEC, 256, seed=0), steps))
     plain = Trainer.build(Grid(1, 1), engine, device, pipeline=False)
     a = plain.run(iter(batches), steps)
@@ -381,12 +390,13 @@ def test_gpu_pipeline_trains_and_matches_the_plain_loop_at_fp32():
 def _gpu_fit(device, train_dir: str, steps: int, log_every: int) -> dict:
     from recgrid.data.stream import scan_inputs
     from recgrid.data.units import EpochPlan
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, TrainData, Trainer
 
-    engine = EngineConfig(spec=SPEC, seed=2)  # the default precision: tf32 on CUDA
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2)  # the default precision: tf32 on CUDA
     t = Trainer.build(Grid(1, 1), engine, device)
     data = TrainData(EpochPlan(scan_inputs(train_dir, SPEC), 2, 512, rows_per_unit=4096), SPEC, 0, 1)
-    t.fit(data, LoopConfig(max_steps=log_every, batch_size=512, log_every=log_every))  # warm up: kernels, tracing
+    t.fit(data, LoopConfig.from_job(defaults(), max_steps=log_every, batch_size=512, log_every=log_every))  # warm up: kernels, tracing
     logs: list = []
     syncs = [0]
     real = torch.cuda.synchronize
@@ -398,7 +408,7 @@ def _gpu_fit(device, train_dir: str, steps: int, log_every: int) -> dict:
     torch.cuda.synchronize = counting
     t0 = time.perf_counter()
     try:
-        t.fit(data, LoopConfig(max_steps=steps, batch_size=512, log_every=log_every),
+        t.fit(data, LoopConfig.from_job(defaults(), max_steps=steps, batch_size=512, log_every=log_every),
               hooks=FitHooks(on_log=lambda v, s: logs.append(v)))
     finally:
         torch.cuda.synchronize = real
@@ -437,9 +447,10 @@ def _gpu_mixed(device, steps: int) -> dict:
     from recgrid.engine.model import ModelSpec
     from recgrid.engine.sync import embedding_weights, optimizer_states
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
-    engine = EngineConfig(spec=SPEC, model=ModelSpec(embedding_dtype="fp16"), seed=2, precision="bf16")
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, model=ModelSpec(embedding_dtype="fp16"), seed=2, precision="bf16")
     t = Trainer.build(Grid(1, 1), engine, device)
     batches = list(itertools.islice(random_batches(SPEC, 512, seed=0), steps))
     r = t.run(iter(batches), steps)
@@ -465,9 +476,10 @@ def _gpu_two_groups(device, steps: int) -> dict:
 
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
-    engine = EngineConfig(spec=SPEC, seed=2, precision="fp32", sync_every=2)
+    engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2, precision="fp32", sync_every=2)
     batches = list(itertools.islice(random_batches(SPEC, 256, seed=dist.get_rank()), steps))
     out = {}
     for name, pipeline in (("plain", False), ("pipelined", True)):

@@ -96,7 +96,7 @@ def test_fused_params_scale_lr_and_eps_by_root_c():
 @pytest.mark.parametrize("field,value", [("lr", -0.1), ("eps", 0.0), ("moment_scale", 0)])
 def test_invalid_values_are_named(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a positive number, got {value}"):
-        MomentScaledRowWiseAdagrad(**{field: value})
+        MomentScaledRowWiseAdagrad(**{"lr": 0.05, "eps": 1e-8, "moment_scale": 1.0, field: value})
 
 
 @pytest.mark.parametrize("name,cls", [("adagrad", torch.optim.Adagrad), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)])

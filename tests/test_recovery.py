@@ -28,7 +28,7 @@ from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 from recgrid.engine.sharding import make_plan, plan_record
 plan = make_plan(build_model(get_spec("tiny"), ModelSpec()), Grid(4, 2), "cpu",
-                 MomentScaledRowWiseAdagrad(moment_scale=2).fused_params(), "auto")
+                 MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=2).fused_params(), "auto")
 print(json.dumps(plan_record(plan), sort_keys=True))
 """
 
@@ -125,9 +125,10 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
 
 # ---- snapshots and storage checkpoints on real gloo process groups -------------------------------------
 def _engine(grid, delayed=False):
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
-    return EngineConfig(spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto", seed=5)
+    return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto", seed=5)
 
 
 def snapshot_roundtrip(delayed: bool) -> dict:
@@ -140,7 +141,7 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(10))]
     a = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
     a.run(iter(batches[:6]), 6)
-    snap = a.snapshot()
+    snap, window = a.snapshot(), a.metrics.window_state(a.groups.global_pg)
     # hand every worker the copy its replica peer took (the other sharding group, same shard);
     # with delayed moment sync the replicas' optimizer states differ between syncs by design,
     # so there a worker takes its own copy
@@ -151,7 +152,7 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     mine = gathered[peer]
     after_a = [float(x) for x in a.run(iter(batches[6:]), 10).losses]
     b = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
-    b.restore(mine.shard, mine.dense, mine.progress, mine.window)
+    b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
     dense_exact = all(torch.equal(v, b.dense_state()[k]) for k, v in mine.dense.items())
     after_b = [float(x) for x in b.run(iter(batches[6:]), 10).losses]

@@ -77,7 +77,7 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
     cluster["nodes"].append(cluster["cluster"].add_node(num_cpus=1))
     st = job.wait_for(lambda s: training(s, 2, 0), timeout=180)
     job.wait_for(lambda s: s["last_step"] >= st["last_step"] + 12)  # past the first sync after growing
-    ray.get(job.coordinator.request_stop.remote())
+    job.request_stop()
     r = job.join()
     assert r.status == "FINISHED", r.error
     assert [(a["world_size"]) for a in r.attempts] == [4, 2, 4]

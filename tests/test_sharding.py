@@ -13,7 +13,7 @@ from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 from recgrid.engine.sharding import WHOLE_WORLD_TYPES, auto_types, make_plan, remap_plan, sharding_summary
 
-FUSED = MomentScaledRowWiseAdagrad(moment_scale=1).fused_params()
+FUSED = MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=1).fused_params()
 GiB = 2**30
 
 

@@ -59,7 +59,7 @@ def job(tmp_path_factory):
         st = bg.wait_for(lambda s: any("seconds" in e for e in s["events"]))
         healed_at = st["events"][0]["step"]
         bg.wait_for(lambda s: s["last_step"] >= healed_at + 2 * K)  # two syncs of the two replicas
-        ray.get(bg.coordinator.request_stop.remote())
+        bg.request_stop()
         result = bg.join()
     finally:
         ray.shutdown()

@@ -25,9 +25,10 @@ STEPS = 20
 
 def _config(towers=None, sync_every=5, spec=SPEC, arch="dlrm", sharding="auto"):
     from recgrid.engine.model import ModelSpec
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
-    return EngineConfig(spec=spec, model=ModelSpec(arch=arch), lr=0.05, sync_every=sync_every, seed=7, towers=towers,
+    return EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(arch=arch), lr=0.05, sync_every=sync_every, seed=7, towers=towers,
                         sharding=sharding)
 
 
@@ -183,7 +184,7 @@ def exchange_figures(steps: int) -> dict:
         if name == "dlrm":  # snapshots of a tower model: restore into a fresh trainer, bit for bit
             snap = t.snapshot()
             b = Trainer.build(grid, _config(towers, sync_every=1), torch.device("cpu"))
-            b.restore(snap.shard, snap.dense, snap.progress, snap.window)
+            b.load_snapshot(snap, None)
             out[name]["snapshot"] = (all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))
                                      and all(torch.equal(v, b.dense_state()[k]) for k, v in snap.dense.items()))
     return out

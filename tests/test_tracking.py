@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recgrid.launch.tracking import (
+from recgrid.tracking import (
     MAX_PARAM_VAL_LENGTH,
     Tracker,
     default_tracking_uri,
@@ -114,7 +114,7 @@ def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None
 def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -> None:
     """MLflow 3's UI shows an experiment without `mlflow.experimentKind = custom_model_development`
     as a GenAI overview of traces: new experiments carry it, existing ones get it."""
-    from recgrid.launch.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+    from recgrid.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 
     client = MlflowClient(tracking_uri=store)
     parent = Tracker(experiment="t-kind", tracking_uri=store).start("sweep")
@@ -134,7 +134,7 @@ def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -
 def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
     import time
 
-    from recgrid.launch.tracking import start_system_metrics
+    from recgrid.tracking import start_system_metrics
 
     tracker = Tracker(experiment="t-system", tracking_uri=store).start("x")
     monitor = start_system_metrics(tracker.run_id, "node-a", store, sampling_interval_s=0.2)
@@ -156,7 +156,7 @@ def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, m
     forwards or prints; only the MLflow client gets it whole."""
     from recgrid.config import load_config
     from recgrid.launch.submit import job_env
-    from recgrid.launch.tracking import has_credentials, redact_uri
+    from recgrid.tracking import has_credentials, redact_uri
 
     secret_uri = "https://alice:s3cret-pw@mlflow.example.com:5000/"
     assert redact_uri(f"at {secret_uri} and postgresql://u:pw@db/x") == \
@@ -175,7 +175,7 @@ def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, m
     remote = Tracker(experiment="t", tracking_uri=secret_uri)  # no request is made until the client is used
     remote.run_id, remote.experiment_id = "r1", "1"
     assert remote.tracking_uri == secret_uri  # the client still authenticates with it
-    shown = " ".join([remote.display_uri, remote.ui_command(), remote.ui_url(), remote.run_url() or ""])
+    shown = " ".join([remote.display_uri, remote.ui_command(), remote.ui_url()])
     assert "s3cret-pw" not in shown and "alice" not in shown and "mlflow.example.com:5000" in shown
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", secret_uri)

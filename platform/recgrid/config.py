@@ -33,7 +33,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
 from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
-from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES
+from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES, default_dense_arch
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
 from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
@@ -75,7 +75,7 @@ class ModelConfig:
     embedding_dim: int | None = None
     """Embedding dimension of every table; null = the dataset spec's default."""
     dense_arch: list[int] | None = None
-    """Layer sizes of the bottom (dense) MLP; must end in the embedding dimension. null = [64, embedding_dim]."""
+    """Layer sizes of the bottom (dense) MLP; must end in the embedding dimension (a config that does not is refused). null = [64, embedding_dim]."""
     over_arch: list[int] = field(default_factory=lambda: [64, 32, 1])
     """Layer sizes of the top (over) MLP; must end in 1 (one logit)."""
     dcn_num_layers: int = 3
@@ -132,6 +132,8 @@ class TrainConfig:
     """Evaluate every this many steps; 0 = only at the end."""
     log_every: int = 10
     """Reduce metrics over all workers and log them to MLflow every this many steps."""
+    ne_window_steps: int = 100
+    """The training NE (`train/ne`) is computed over the last this many steps of all workers."""
     seed: int = 0
     """Seed for model initialisation and data order."""
     use_gpu: bool = False
@@ -312,6 +314,7 @@ class JobConfig:
         _at_least("train.batch_size", t.batch_size, 1)
         _at_least("train.eval_every", t.eval_every, 0)
         _at_least("train.log_every", t.log_every, 1)
+        _at_least("train.ne_window_steps", t.ne_window_steps, 1)
         _positive("train.cpus_per_worker", t.cpus_per_worker)
         for name, amount in t.resources_per_worker.items():
             if not name.strip():
@@ -399,8 +402,10 @@ class JobConfig:
 
     @property
     def dense_arch(self) -> list[int]:
-        """`model.dense_arch`, or [64, embedding_dim]."""
-        return list(self.model.dense_arch) if self.model.dense_arch is not None else [64, self.embedding_dim]
+        """`model.dense_arch`, or `engine.model.default_dense_arch(embedding_dim)`."""
+        if self.model.dense_arch is not None:
+            return list(self.model.dense_arch)
+        return list(default_dense_arch(self.embedding_dim))
 
     @property
     def precision(self) -> str:
@@ -463,6 +468,14 @@ class JobConfig:
         _check_keys(raw, source)
         sections = {name: SECTIONS[name](**(values or {})) for name, values in raw.items()}
         return cls(**sections, check_paths=check_paths)
+
+
+def defaults(*overrides: str) -> JobConfig:
+    """The job config's defaults with `section.field=value` overrides, for code that builds a
+    trainer without a job file (tests, benchmarks, `recgrid smoke`), so its engine and loop take
+    their values from this module as a job's do (`EngineConfig.from_job`). It names no data:
+    data.train is a placeholder such code never reads."""
+    return load_config(None, ["data.train=[unused]", *overrides], check_paths=False)
 
 
 # ---- loading ----------------------------------------------------------------------------------

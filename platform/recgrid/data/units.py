@@ -193,11 +193,6 @@ class EpochPlan:
         used = cursor.workers * seg.steps_total * cursor.batch_size
         return left + take_rows(units, used)
 
-    def rows_at(self, cursor: DataCursor, rank: int, steps: int) -> list[Unit]:
-        """The rows worker `rank` trains in the next `steps` steps from `cursor` (audits, tests)."""
-        seg = self._split(cursor.epoch, self._units_of(cursor), cursor.workers)
-        return take_rows(seg.part(rank, cursor.steps), 0, steps * self.batch_size)
-
     def _units_of(self, cursor: DataCursor) -> list[Unit]:
         if cursor.segment is not None:
             return cursor.segment

@@ -32,6 +32,12 @@ def resolve_precision(device: "torch.device", precision: str | None) -> str:
     return precision or default_precision(device.type == "cuda")
 
 
+def process_group_backend(device_type: str) -> str:
+    """The torch.distributed backend of a worker's process groups: NCCL on CUDA, gloo on CPU
+    (Ray Train's backend config, the local launcher and torchft's replica groups all ask here)."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def use_gpu_default() -> bool:
     import torch
 

@@ -27,7 +27,7 @@ class ModelSpec:
 
     arch: str = "dlrm"
     embedding_dim: int | None = None  # None: the dataset spec's default
-    dense_arch: tuple[int, ...] = (64, 16)
+    dense_arch: tuple[int, ...] | None = None  # None: default_dense_arch(the embedding dimension)
     over_arch: tuple[int, ...] = (64, 32, 1)
     dcn_num_layers: int = 3
     dcn_low_rank_dim: int = 16
@@ -37,8 +37,19 @@ class ModelSpec:
         return self.embedding_dim or spec.embedding_dim
 
     def resolved_dense_arch(self, spec: DatasetSpec) -> tuple[int, ...]:
-        """dense_arch with its last layer set to the embedding dimension, as DLRM requires."""
-        return tuple(self.dense_arch[:-1]) + (self.resolved_dim(spec),)
+        """dense_arch, or the default for the embedding dimension; one that does not end in the
+        embedding dimension (DLRM's interaction needs it) is refused, never rewritten."""
+        dim = self.resolved_dim(spec)
+        if self.dense_arch is None:
+            return default_dense_arch(dim)
+        if not self.dense_arch or self.dense_arch[-1] != dim:
+            raise ValueError(f"dense_arch {list(self.dense_arch)} must end in the embedding dimension {dim}")
+        return tuple(self.dense_arch)
+
+
+def default_dense_arch(embedding_dim: int) -> tuple[int, ...]:
+    """The bottom MLP when none is given: 64 units, then the embedding dimension."""
+    return (64, embedding_dim)
 
 
 def embedding_tables(spec: DatasetSpec, embedding_dim: int, dtype: str = "fp32") -> list["EmbeddingBagConfig"]:

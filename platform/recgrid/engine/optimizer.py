@@ -30,11 +30,12 @@ def moment_scale_for(num_groups: int, moment_scale: float | None = None) -> floa
 
 @dataclass(frozen=True)
 class MomentScaledRowWiseAdagrad:
-    """The embedding optimizer. `moment_scale` is c (`moment_scale_for` decides its default)."""
+    """The embedding optimizer. `moment_scale` is c (`moment_scale_for` decides its default).
+    No defaults of its own: lr and eps are the job's (`optim.lr`, `optim.eps`, config.py)."""
 
-    lr: float = 0.05
-    eps: float = 1e-8
-    moment_scale: float = 1.0
+    lr: float
+    eps: float
+    moment_scale: float
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps", "moment_scale"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from recgrid.data.specs import SPARSE_NAMES, DatasetSpec
-from recgrid.engine.grid import Grid, GridError
+from recgrid.engine.grid import Grid
 
 if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingPlan
@@ -101,9 +101,6 @@ class TowerConfig:
     @property
     def num_towers(self) -> int:
         return len(self.partition)
-
-    def feature_index(self) -> dict[str, int]:
-        return {f: i for i, f in enumerate(SPARSE_NAMES)}
 
     def outputs(self) -> tuple[int, ...]:
         """Embeddings each tower sends across: F_t with pass-through, else max(1, round(F_t / CR))."""
@@ -280,11 +277,3 @@ def shards_by_rank(plan: "ShardingPlan", spec: DatasetSpec, group_size: int) -> 
             out[shard.placement.rank()].append(
                 LocalShard(fi, ps.sharding_type == "row_wise", r0, nr, c0, nc))
     return [sorted(s, key=lambda x: (x.row_wise, x.feature)) for s in out]
-
-
-def check_grid(towers: TowerConfig, grid: Grid) -> TowerLayout:
-    """The layout of `towers` on `grid`, or a TowerError saying why it does not fit."""
-    try:
-        return TowerLayout(grid, towers.num_towers)
-    except GridError as e:  # pragma: no cover - the grid validated itself already
-        raise TowerError(str(e)) from None

@@ -142,7 +142,7 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
     """Run the configurations one after another on one Ray cluster, each as a child run of one
     parent run; print and store the table. Returns the parent run and the table's rows."""
     from recgrid.launch.ray import run_job
-    from recgrid.launch.tracking import Tracker
+    from recgrid.tracking import Tracker
 
     t0 = time.perf_counter()
     base = variants[0].config

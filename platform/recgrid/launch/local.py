@@ -13,6 +13,9 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from recgrid.engine.device import process_group_backend
+from recgrid.logs import quiet_libraries
+
 
 class LocalRunError(RuntimeError):
     pass
@@ -60,20 +63,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [out[r] for r in range(world_size)]
 
 
-def quiet_libraries() -> None:
-    """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "torchrec", "fbgemm_gpu"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # FBGEMM logs each kernel's whole configuration at INFO through the root logger, and Ray
-    # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
-
-
 def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, fn: Callable[..., Any],
             args: tuple, kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -84,7 +73,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, f
     torch.set_num_threads(threads)  # T processes share this machine's cores
     quiet_libraries()
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(process_group_backend("cpu"), rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()

@@ -3,9 +3,12 @@
 The driver only wires: it validates the config (before any worker starts), opens the job's one
 MLflow run, makes sure the data exists (synthetic data for the demo), connects to Ray (an
 embedded local cluster sized for the job, or $RAY_ADDRESS), makes and records the sharding
-plan (once per job: every restart replays it), counts the training rows, starts the recovery
-coordinator (which outlives every worker group), and hands the workers to Ray Train's
-`TorchTrainer` with `train.worker.train_worker` as their body. When Ray Train is done it
+plan (once per job: every restart replays it), counts the training rows, starts the job's two
+actors, which outlive every worker group (job control, `train.control`: attempts, stop,
+heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
+translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
+`LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
+`train.worker.train_worker` (or `train_replica` for torchft) as their body. When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
 """
 
@@ -23,6 +26,21 @@ from typing import Any
 
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say, summary_table
+
+
+@dataclass(frozen=True)
+class JobActors:
+    """The job's two actors, owned by the driver: job control and the recovery coordinator."""
+
+    control: Any
+    recovery: Any
+
+    def status(self, timeout: float = 30) -> dict[str, Any]:
+        """Both actors' records in one dict: attempts, last step, stop (control); events, holders (recovery)."""
+        import ray
+
+        control, recovery = ray.get([self.control.status.remote(), self.recovery.status.remote()], timeout=timeout)
+        return {**control, **recovery}
 
 
 @dataclass
@@ -53,10 +71,10 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     With `parent_run_id` the run is a child of that run (one configuration of `recgrid compare`);
     `summary=False` leaves the end-of-job table unprinted (`compare` prints one line per job).
 
-    `on_start(coordinator)`, if given, is called once the recovery coordinator exists (tests and
-    benchmarks watch the job through it).
+    `on_start(actors)`, if given, is called once the job's actors exist (`JobActors`: tests and
+    benchmarks watch the job and ask it to stop through them).
     """
-    from recgrid.launch.tracking import Tracker
+    from recgrid.tracking import Tracker
 
     t0 = time.perf_counter()
     grid = config.build_grid()
@@ -169,7 +187,9 @@ def job_plan(config: JobConfig) -> Any:
     from recgrid.engine.model import build_model
     from recgrid.engine.sharding import make_plan
 
-    engine = engine_config(config)
+    from recgrid.train.trainer import EngineConfig
+
+    engine = EngineConfig.from_job(config)
     grid = config.build_grid()
     if engine.towers is not None:  # DMT: each tower's tables inside its tower (engine.towers)
         from recgrid.engine.towers import tower_plan
@@ -200,7 +220,7 @@ def worker_gpu_memory(timeout_s: float = 120.0) -> int:
 
 
 def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[str, Any]:
-    """Plan, count rows, start the coordinator and Ray Train; returns the coordinator's record
+    """Plan, count rows, start the job's actors and Ray Train; returns their record
     of attempts and recovery events."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -209,10 +229,11 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
 
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record, sharding_summary
-    from recgrid.train.recovery import FailureClock, RecoveryCoordinator, remove_snapshot_files
-    from recgrid.train.ft import train_replica
+    from recgrid.train.control import FailureClock, JobControl
     from recgrid.train.placement import PLACEMENT_STRATEGY
-    from recgrid.train.worker import WorkerJob, train_worker
+    from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
+    from recgrid.train.trainer import EngineConfig, LoopConfig
+    from recgrid.train.worker import WorkerJob, train_replica, train_worker
 
     spec = config.dataset_spec()
     grid = config.build_grid()
@@ -225,18 +246,21 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
     say(f"data: {train_inputs.total_rows:,} training rows in {len(train_inputs.files)} file(s)"
         + (f", {eval_inputs.total_rows:,} eval rows" if eval_inputs else ""))
 
-    # on the driver's node (the head, under the Job API): it must outlive every worker node
-    coordinator = RecoveryCoordinator.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=ray.get_runtime_context().get_node_id(), soft=False)).remote(tracker.run_id, tracker.tracking_uri)
+    # on the driver's node (the head, under the Job API): they must outlive every worker node
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(tracker.run_id, tracker.tracking_uri),
+                       recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
     if on_start is not None:
-        on_start(coordinator)
+        on_start(actors)
     t = config.train
     job = WorkerJob(
-        engine=engine_config(config), loop=loop_config(config), group_size=grid.group_size,
+        engine=EngineConfig.from_job(config), loop=LoopConfig.from_job(config), group_size=grid.group_size,
         max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
         train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
-        tracking_uri=tracker.tracking_uri, coordinator=coordinator, run_name=config.run_name, resume_from=t.resume_from,
-        row_log=config.data.row_log, rows_per_unit=config.data.rows_per_unit,
+        tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
+        run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
+        rows_per_unit=config.data.rows_per_unit, checkpoint_every=t.checkpoint_every,
+        snapshot_every_syncs=t.snapshot_every_syncs,
     )
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
@@ -255,7 +279,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         torch_config=torch_config(config),
         run_config=RunConfig(name=f"{config.run_name}-{tracker.run_id[:8]}", storage_path=storage_path(config),
                              failure_config=FailureConfig(max_failures=t.max_failures),
-                             callbacks=[FailureClock(coordinator)]),
+                             callbacks=[FailureClock(actors.control)]),
     )
     say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
         f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
@@ -267,8 +291,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         trainer.fit()
     finally:
         try:
-            status = ray.get(coordinator.status.remote(), timeout=30)
-            ray.get(coordinator.release.remote(), timeout=60)  # the holders delete their shard files
+            status = actors.status()
+            ray.get(actors.recovery.release.remote(), timeout=60)  # the holders delete their shard files
         except Exception:  # noqa: BLE001 - the job's own error matters more
             pass
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
@@ -281,42 +305,14 @@ def torch_config(config: JobConfig) -> Any:
     (a quorum needs one live replica; train/ft.py)."""
     from ray.train.torch import TorchConfig
 
-    backend = "nccl" if config.train.use_gpu else "gloo"
+    from recgrid.engine.device import device_type_for, process_group_backend
+
+    backend = process_group_backend(device_type_for(config.train.use_gpu))
     if config.train.fault_tolerance == "torchft":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
         return TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend=backend)
     return TorchConfig(backend=backend)
-
-
-def engine_config(config: JobConfig):
-    from recgrid.engine.model import ModelSpec
-    from recgrid.train.trainer import EngineConfig
-
-    m, o = config.model, config.optim
-    return EngineConfig(
-        spec=config.dataset_spec(),
-        model=ModelSpec(arch=m.arch, embedding_dim=config.embedding_dim, dense_arch=tuple(config.dense_arch),
-                        over_arch=tuple(m.over_arch), dcn_num_layers=m.dcn_num_layers,
-                        dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype),
-        lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
-        dense_optimizer=o.dense_optimizer,
-        dense_lr=o.dense_lr,
-        sync_every=config.grid.sync_every,
-        delayed_moment_sync=config.grid.delayed_moment_sync,
-        sharding=m.sharding,
-        seed=config.train.seed,
-        precision=config.precision,
-        towers=config.tower_config(),
-    )
-
-
-def loop_config(config: JobConfig):
-    from recgrid.train.trainer import LoopConfig
-
-    t = config.train
-    return LoopConfig(max_steps=t.max_steps, batch_size=t.batch_size, log_every=t.log_every, eval_every=t.eval_every,
-                      checkpoint_every=t.checkpoint_every, snapshot_every_syncs=t.snapshot_every_syncs)
 
 
 def _root_cause(e: BaseException) -> BaseException:

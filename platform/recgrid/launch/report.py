@@ -9,7 +9,7 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
-from recgrid.launch.tracking import stack_versions
+from recgrid.tracking import stack_versions
 
 
 def machine_info() -> dict:
@@ -58,22 +58,6 @@ SUMMARY = (
 
 def say(msg: str) -> None:
     print(f"[recgrid] {msg}", flush=True)
-
-
-def progress_line(m: dict[str, float], step: int, max_steps: int, elapsed: float) -> str:
-    """One line per logging interval (training) or per evaluation."""
-    if "eval/ne" in m:
-        parts = [f"[recgrid] eval at step {step}/{max_steps}"]
-        fields = (("eval/ne", "NE", "{:.4f}"), ("eval/auc", "AUC", "{:.4f}"), ("eval/examples", "rows", "{:,.0f}"))
-    else:
-        parts = [f"[recgrid] step {step:>6}/{max_steps}"]
-        fields = (("train/qps", "qps", "{:,.0f}"), ("train/loss", "loss", "{:.4f}"), ("train/ne", "ne", "{:.4f}"),
-                  ("memory/peak_mb_max", "mem MiB", "{:,.0f}"), ("sync/seconds_total", "sync s", "{:.2f}"))
-    for key, label, fmt in fields:
-        if key in m:
-            parts.append(f"{label} {fmt.format(m[key])}")
-    parts.append(f"{elapsed:,.0f}s")
-    return " | ".join(parts)
 
 
 def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], events: list[dict],

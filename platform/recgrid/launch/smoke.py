@@ -54,9 +54,10 @@ def smoke_worker(grid: Grid, steps: int, sync_every: int, sharding: str, batch_s
                  moment_scale: float | None, delayed: bool, arch: str, seed: int) -> dict:
     from recgrid.engine.sync import embedding_weights, optimizer_states
     from recgrid.engine.sharding import sharding_summary
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer, dense_parameters
 
-    config = EngineConfig(
+    config = EngineConfig.from_job(defaults(), 
         spec=get_spec("tiny"),
         model=ModelSpec(arch=arch),
         lr=0.05, moment_scale=moment_scale,

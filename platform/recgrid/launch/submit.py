@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say
-from recgrid.launch.tracking import has_credentials, redact_uri
+from recgrid.tracking import has_credentials, redact_uri
 
 # never shipped, tracked by git or not (gitignore patterns, relative to the project directory)
 EXCLUDES = [".git", ".venv", "venv", "/runs/", "mlruns", "__pycache__", ".pytest_cache", "*.egg-info", "*.pyc"]

@@ -34,11 +34,12 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
     from recgrid.data.stream import local_batches, scan_inputs
     from recgrid.engine.grid import Grid
     from recgrid.engine.model import ModelSpec
+    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec(spec_name)
     inputs = scan_inputs(data, spec)
-    config = EngineConfig(spec=spec, model=ModelSpec(embedding_dim=embedding_dim), sharding="table_wise", seed=seed)
+    config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(embedding_dim=embedding_dim), sharding="table_wise", seed=seed)
     trainer = Trainer.build(Grid(1, 1), config, torch.device("cpu"))
     if checkpoint:
         from recgrid.train.checkpoint import Checkpointer

@@ -248,11 +248,6 @@ class CpuProfile:
             return table[n]
         return table[min(table, key=lambda k: (abs(k - n), k))]
 
-    def a2a_seconds(self, nbytes: float, ranks: int) -> float:
-        if ranks <= 1:
-            return 0.0
-        return self._at(self.a2a_latency, ranks) + nbytes / self._at(self.a2a_bandwidth, ranks)
-
     def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
         if ranks <= 1:
             return 0.0

@@ -256,10 +256,12 @@ def _meta_module(model: ModelTables):
 
 @functools.lru_cache(maxsize=1)
 def _sharder():
+    from recgrid.config import OptimConfig
     from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
     from recgrid.engine.sharding import grid_sharder
 
-    return grid_sharder(MomentScaledRowWiseAdagrad().fused_params())
+    o = OptimConfig()  # the planner's sharder only needs a fused optimizer's kind, not its values
+    return grid_sharder(MomentScaledRowWiseAdagrad(lr=o.lr, eps=o.eps, moment_scale=1.0).fused_params())
 
 
 @dataclass

@@ -7,7 +7,9 @@ Ray Train with `ray.train.report(..., checkpoint_upload_mode=NO_UPLOAD)` so Ray'
 `get_checkpoint()` knows the newest one. Outside Ray Train (the local launcher, tests) the
 same code writes under a plain directory.
 
-Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
+`Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps. What is written is
+the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
+sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
 DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
 once, so a job with M sharding groups writes one copy of the model, not M, split over the
 workers. Loading is resharding: a checkpoint written at T=4, M=2 loads into T=4, M=1 or
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
@@ -72,23 +74,35 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path.removeprefix("file://"), ".metadata"))
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint directly under `root` (a local directory), or None."""
-    root = root.removeprefix("file://")
-    if not os.path.isdir(root):
-        return None
-    found = [(checkpoint_step(n), os.path.join(root, n)) for n in os.listdir(root)]
-    done = sorted((s, p) for s, p in found if s is not None and is_complete(p))
-    return done[-1][1] if done else None
-
-
 @dataclass
 class Checkpointer:
     """Writes and reads the trainer's state. `root` is where checkpoints go outside Ray Train;
-    inside it, Ray Train's storage context decides (`ray_storage=True`)."""
+    inside it, Ray Train's storage context decides (`ray_storage=True`).
+
+    It owns the cadence of a job's checkpoints: given the `trainer` and `every` (steps, a
+    multiple of K; 0: none), the loop calls `maybe_save(step)` after every step.
+    `before_save(step)` runs first on every worker (the workers sitting out an elastic grid join
+    Ray Train's report), `after_save(step, path)` once it is written.
+    """
 
     root: str | None = None
     ray_storage: bool = False
+    every: int = 0
+    trainer: "Trainer | None" = None
+    before_save: Callable[[int], None] | None = None
+    after_save: Callable[[int, str], None] | None = None
+
+    def maybe_save(self, step: int) -> str | None:
+        """Write a checkpoint if `step` is one of the job's checkpoint steps."""
+        if not self.every or step % self.every or self.trainer is None:
+            return None
+        with self.trainer.metrics.timer.phase("checkpoint"):
+            if self.before_save is not None:
+                self.before_save(step)
+            path = self.save(self.trainer)
+        if self.after_save is not None:
+            self.after_save(step, path)
+        return path
 
     def path_for(self, step: int) -> str:
         name = checkpoint_name(step)

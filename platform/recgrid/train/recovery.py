@@ -16,14 +16,17 @@ must outlive it live in actors the driver owns:
   through the object store and are copied out by the holder (an object put by a worker dies
   with that worker).
 - `RecoveryCoordinator`, one per job: the holders by node, which generation is complete on the
-  holders still alive, the attempts (workers' pids and nodes), the failure clock and the
-  recovery events the run logs.
+  holders still alive, the storage checkpoints written and the recovery events the run logs.
+  The attempts, heartbeats and the stop flag are job control's (`train.control.JobControl`).
 
-At every snapshot point (a sync step, every `train.snapshot_every_syncs` syncs) each node's
-holder receives one copy of every shard position held on that node (the first sharding group
-there sends it; the others hold the same bits after the sync), plus the dense part and the
-progress. A generation is complete when the live holders together have every shard position
-0..L-1, the dense part and the progress.
+What a snapshot carries is the trainer's one state inventory (`Trainer.snapshot()`: the shard,
+the dense part, the progress with the data cursor, the NE window); nothing here assembles state
+of its own. `Snapshotter` owns the cadence: the loop calls `maybe_snapshot(step)` after every
+step, and at every snapshot point (a sync step, every `train.snapshot_every_syncs` syncs) each
+node's holder receives one copy of every shard position held on that node (the first sharding
+group there sends it, into its slot file; the others hold the same bits after the sync), plus
+the dense part and the progress. A generation is complete when the live holders together have
+every shard position 0..L-1, the dense part and the progress.
 
 Restore order, decided by global rank 0 and told to every worker (`Recovery.restore`):
   1. the newest complete in-memory generation: each worker takes its shard position from its
@@ -48,6 +51,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+from recgrid.train.control import LazyActor
 
 if TYPE_CHECKING:
     import torch
@@ -264,23 +269,18 @@ def _arrays(payload: Any) -> list[np.ndarray]:
 
 
 class RecoveryCoordinatorImpl:
-    """The job's recovery bookkeeping (one actor, owned by the driver)."""
+    """The job's recovery bookkeeping (one actor, owned by the driver): the holders, the restore
+    plan, the storage checkpoints written and the recovery events. Attempts, heartbeats and the
+    stop flag are job control's (`train.control`)."""
 
-    def __init__(self, run_id: str, tracking_uri: str | None = None) -> None:
+    def __init__(self, run_id: str) -> None:
         import threading
 
         self.run_id = run_id
-        self.tracking_uri = tracking_uri  # where grid/ranks.json goes
         self._lock = threading.Lock()
         self.holders: dict[str, Any] = {}
-        self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node)
         self.events: list[dict[str, Any]] = []  # restores, in order
-        self.failure_time: float | None = None  # when the controller first saw the current failure
         self.checkpoints: list[tuple[int, str]] = []  # storage checkpoints written, (step, path)
-        self.last_step = 0  # newest step any attempt finished (rank 0's heartbeat)
-        self.logged_upto = -1  # newest step whose metrics reached the run
-        self.stop = False  # a graceful stop was asked for
-        self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
 
     # ---- holders ------------------------------------------------------------------------------
     def holder_for(self, node_id: str) -> Any:
@@ -345,39 +345,7 @@ class RecoveryCoordinatorImpl:
 
         ray.get([h.drop_after.remote(step) for h in self.holders.values()], timeout=60)
 
-    def memory(self) -> dict[str, int]:
-        """Bytes each node's holder keeps (bounded by two generations of the node's shards)."""
-        import ray
-
-        return {n: ray.get(h.nbytes.remote(), timeout=30) for n, h in self.holders.items()}
-
-    # ---- attempts and events --------------------------------------------------------------------------
-    def begin_attempt(self, world_size: int) -> int:
-        self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
-                              "failure_time": self.failure_time, "last_step_before": self.last_step})
-        self.failure_time = None
-        return len(self.attempts) - 1
-
-    def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
-        """A worker of `attempt` started; once all have, the run's grid/ranks.json is rewritten."""
-        from recgrid.train.placement import record_ranks
-
-        workers = self.attempts[attempt]["workers"]
-        workers[rank] = {"pid": pid, "node": node_id}
-        if len(workers) == self.attempts[attempt]["world_size"]:
-            try:
-                record_ranks(self.run_id, self.tracking_uri, self.attempts)
-            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
-                print(f"recgrid: could not record {len(workers)} ranks of attempt {attempt} in the run: {e}", flush=True)
-
-    def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
-        """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
-        self.attempts[attempt]["workers"][rank].update(fields)
-
-    def failure_detected(self, when: float) -> None:
-        if self.failure_time is None:
-            self.failure_time = when
-
+    # ---- storage checkpoints and events ----------------------------------------------------------------
     def checkpoint_written(self, step: int, path: str) -> None:
         self.checkpoints.append((step, path))
 
@@ -389,9 +357,6 @@ class RecoveryCoordinatorImpl:
         done = sorted((s, p) for s, p in found if is_complete(p))
         return done[-1][1] if done else None
 
-    def heartbeat(self, step: int) -> None:
-        self.last_step = step
-
     def record(self, event: dict[str, Any]) -> int:
         self.events.append(event)
         return len(self.events) - 1
@@ -399,74 +364,13 @@ class RecoveryCoordinatorImpl:
     def update_event(self, index: int, fields: dict[str, Any]) -> None:
         self.events[index].update(fields)
 
-    def request_stop(self) -> None:
-        """Ask the job to end at its next logging interval, as if it had reached max_steps."""
-        self.stop = True
-
-    def stop_requested(self) -> bool:
-        return self.stop
-
-    def claim_step(self, name: str, step: int) -> bool:
-        """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
-        claimed = self.claimed.setdefault(name, set())
-        if step in claimed:
-            return False
-        claimed.add(step)
-        return True
-
-    def mark_logged(self, step: int) -> None:
-        self.logged_upto = max(self.logged_upto, step)
-
     def status(self) -> dict[str, Any]:
-        return {"attempts": self.attempts, "events": self.events, "last_step": self.last_step,
-                "logged_upto": self.logged_upto, "failure_time": self.failure_time,
-                "holders": sorted(self.holders)}
+        return {"events": self.events, "holders": sorted(self.holders),
+                "checkpoints": [p for _, p in self.checkpoints]}
 
 
-def _remote(cls: type, **options: Any) -> Any:
-    import ray
-
-    return ray.remote(**options)(cls)
-
-
-class _Lazy:
-    """`ray.remote` applied on first use, so importing this module needs no Ray."""
-
-    def __init__(self, cls: type) -> None:
-        self.cls, self.actor = cls, None
-
-    def options(self, **kw: Any) -> Any:
-        return self._get().options(**kw)
-
-    def remote(self, *a: Any, **kw: Any) -> Any:
-        return self._get().remote(*a, **kw)
-
-    def _get(self) -> Any:
-        if self.actor is None:
-            # bookkeeping and memory copies: no CPU reserved, so they never wait behind training
-            self.actor = _remote(self.cls, num_cpus=0, max_concurrency=4)
-        return self.actor
-
-
-SnapshotHolder = _Lazy(SnapshotHolderImpl)
-RecoveryCoordinator = _Lazy(RecoveryCoordinatorImpl)
-
-
-class FailureClock:
-    """A Ray Train callback (runs in the controller) that tells the coordinator when a worker
-    failure was first seen: the start of `recovery/seconds`."""
-
-    def __new__(cls, coordinator: Any) -> Any:
-        from ray.train import UserCallback
-
-        class _Clock(UserCallback):
-            def __init__(self, coordinator: Any) -> None:
-                self.coordinator = coordinator
-
-            def after_exception(self, run_context: Any, worker_exceptions: dict) -> None:
-                self.coordinator.failure_detected.remote(time.time())
-
-        return _Clock(coordinator)
+SnapshotHolder = LazyActor(SnapshotHolderImpl)
+RecoveryCoordinator = LazyActor(RecoveryCoordinatorImpl)
 
 
 # ---- on every worker ------------------------------------------------------------------------------------
@@ -481,11 +385,11 @@ class Restored:
     event: int | None = None  # index of the coordinator's event, for rank 0
 
 
-class Recovery:
-    """A worker's side of snapshots and restores.
+class _WorkerSide:
+    """What a worker's snapshotter and its recovery share: the job's actors and where it sits.
 
     Args:
-        coordinator: the job's RecoveryCoordinator (None: no in-memory snapshots, e.g. local runs).
+        coordinator: the job's RecoveryCoordinator (None: no in-memory copies, e.g. local runs).
         grid, groups: this attempt's grid and this worker's process groups.
         nodes: node id of every rank of the grid.
         attempt: this attempt's number.
@@ -496,17 +400,44 @@ class Recovery:
         self.rank = groups.coords.rank
         self.node = self.nodes[self.rank]
         self._holder: Any = None
-        self._inflight: list[Any] = []
-        self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it), kept mapped
-        self.snapshots = 0
 
     @property
     def holder(self) -> Any:
+        """This node's holder."""
         import ray
 
         if self._holder is None:
             self._holder = ray.get(self.coordinator.holder_for.remote(self.node))
         return self._holder
+
+
+class Snapshotter(_WorkerSide):
+    """A worker's in-memory snapshots: every `every_syncs` replica syncs (every K steps when
+    M = 1; 0: none) it hands its share of the trainer's state (`Trainer.snapshot`) to its node's
+    holder. It owns that cadence: the loop calls `maybe_snapshot(step)` after every step."""
+
+    def __init__(self, trainer: "Trainer", coordinator: Any, grid: "Grid", groups: "GridGroups",
+                 nodes: Sequence[str], attempt: int, every_syncs: int) -> None:
+        super().__init__(coordinator, grid, groups, nodes, attempt)
+        self.trainer, self.every_syncs = trainer, every_syncs
+        self._inflight: list[Any] = []
+        self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it), kept mapped
+        self.snapshots = 0
+        if self.enabled:
+            self.prepare()  # shared-memory slots for this worker's snapshots, before any step
+
+    @property
+    def enabled(self) -> bool:
+        return self.coordinator is not None and self.every_syncs > 0
+
+    def due(self, step: int) -> bool:
+        K = self.trainer.config.sync_every
+        return self.enabled and step % K == 0 and (step // K) % self.every_syncs == 0
+
+    def maybe_snapshot(self, step: int) -> None:
+        if self.due(step):
+            with self.trainer.metrics.timer.phase("snapshot"):
+                self.snapshot()
 
     # ---- what this worker sends ---------------------------------------------------------------------
     def sends_shard(self) -> bool:
@@ -520,35 +451,36 @@ class Recovery:
         """Whether this worker hands its node's holder the dense part and the progress: the lowest rank on the node."""
         return self.rank == min(r for r in range(self.grid.world_size) if self.nodes[r] == self.node)
 
-    def snapshot(self, trainer: "Trainer") -> None:
+    def snapshot(self) -> None:
         """Hand this worker's share of the state to its node's holder (collective: every worker of
         the grid calls it at the same step). Returns once the copies are in the object store;
         the holder copies them out while training goes on."""
         import ray
 
-        step = trainer.state.step
+        snap = self.trainer.snapshot(copy=False)  # views: copied below, before the next step
+        step = snap.progress["step"]
         self._settle()
-        # every worker's own NE window (a few KiB; the restore sums them), no collective here
-        payload: dict[str, Any] = {f"window/{self.rank}": trainer.metrics.own_window().numpy()}
+        # every worker's own NE window (a few KiB; the restore sums them)
+        payload: dict[str, Any] = {f"window/{self.rank}": snap.window.numpy()}
         if self.sends_shard():
-            key, tensors = f"shard/{self.groups.coords.shard_rank}", trainer.shard_tensors()
-            if not self._write_slot(step, key, tensors):
-                payload[key] = [_numpy(t) for t in tensors]
+            key = f"shard/{self.groups.coords.shard_rank}"
+            if not self._write_slot(step, key, snap.shard):
+                payload[key] = [_numpy(t) for t in snap.shard]
         if self.sends_job_state():
-            payload["dense"] = {k: v.numpy() for k, v in trainer.dense_state().items()}
-            payload["progress"] = {"progress": trainer.state.progress()}
+            payload["dense"] = {k: v.numpy() for k, v in snap.dense.items()}
+            payload["progress"] = {"progress": snap.progress}
         # one copy into the object store, now (the step may change the tensors next), and one call
         self._inflight.append(self.holder.put_many.remote(step, ray.put(payload)))
         self.snapshots += 1
 
-    def prepare(self, trainer: "Trainer") -> None:
+    def prepare(self) -> None:
         """Before training: have the node's holder create this worker's two slot files (when it
         sends its shard position's copy) and map them here, so snapshots only copy."""
         import ray
 
-        if self.coordinator is None or not self.sends_shard():
+        if not self.sends_shard():
             return
-        _, nbytes = shard_layout(trainer.shard_tensors())
+        _, nbytes = shard_layout(self.trainer.shard_tensors())
         for path in ray.get(self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}", nbytes)) or []:
             self._map(path, nbytes)
 
@@ -587,6 +519,25 @@ class Recovery:
         if self._inflight:
             ray.get(self._inflight)
             self._inflight = []
+
+    def close(self) -> None:
+        self._settle()
+
+
+class Recovery(_WorkerSide):
+    """A worker's side of restores: `restore` brings the trainer back (the module docstring's
+    order); after a restore from peers, `maybe_check_replicas(step)` checks at the first replica
+    sync that every member of each replica group holds the same bits, and records it in the event.
+
+    Args (besides `_WorkerSide`'s): control, the job's JobControl (attempts, the last step).
+    """
+
+    def __init__(self, coordinator: Any, control: Any, grid: "Grid", groups: "GridGroups", nodes: Sequence[str],
+                 attempt: int) -> None:
+        super().__init__(coordinator, grid, groups, nodes, attempt)
+        self.control = control
+        self.restored: Restored | None = None
+        self._check: "Trainer | None" = None  # the trainer to check at its first sync after a peer restore
 
     # ---- restore ------------------------------------------------------------------------------------------
     def restore(self, trainer: "Trainer", checkpointer: "Checkpointer | None", storage_checkpoint: str | None,
@@ -635,7 +586,21 @@ class Recovery:
             event["detail"] = restored.detail
         if self.rank == 0:
             restored.event = ray.get(self.coordinator.record.remote(event))
+        if d["source"] == "peer" and self.grid.num_groups > 1:
+            self._check = trainer
+        self.restored = restored
         return restored
+
+    def maybe_check_replicas(self, step: int) -> None:
+        """After a restore from peers, at the first replica sync: every replica-group member's shard
+        digest (collective in the replica group), recorded in the event by global rank 0."""
+        if self._check is None or not self._check.replica_sync.due(step):
+            return
+        digests = self.replica_digests(self._check)
+        self._check = None
+        if self.rank == 0 and self.restored is not None and self.restored.event is not None:
+            self.coordinator.update_event.remote(self.restored.event,
+                                                 {"replicas_identical_after_sync": len(set(digests)) == 1})
 
     def _decide(self, storage_checkpoint: str | None, resume_from: str | None) -> dict[str, Any]:
         """Rank 0's choice of source (the module docstring's order)."""
@@ -644,12 +609,13 @@ class Recovery:
         from recgrid.train.checkpoint import checkpoint_step
 
         if self.coordinator is not None:
-            status = ray.get(self.coordinator.status.remote())
-            failure_step = status["last_step"]
+            status = ray.get(self.control.status.remote())
+            failure_step = status["last_step"]  # heartbeats are throttled: at least this far (see below)
             storage_checkpoint = ray.get(self.coordinator.latest_checkpoint.remote([storage_checkpoint]))
             plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size))
             stored_step = checkpoint_step(storage_checkpoint) if storage_checkpoint else None
             if plan["step"] is not None and (stored_step is None or plan["step"] >= stored_step):
+                failure_step = max(failure_step, plan["step"])  # the job reached every snapshot it holds
                 nodes = len({n for ns in plan["where"].values() for n in ns})
                 return {"source": "peer", "plan": plan, "failure_step": failure_step, "lost_nodes": plan["lost_nodes"],
                         "why": f"restoring step {plan['step']} from in-memory copies held on {nodes} node(s); "
@@ -701,8 +667,10 @@ class Recovery:
             where.update(plan.get("windows", {}))
             windows = [fetch(k) for k in plan.get("windows", {})]
             window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
-        trainer.restore([_tensor(a) for a in shard], {k: _tensor(v) for k, v in dense.items()},
-                        progress["progress"], window)
+        from recgrid.train.trainer import Snapshot
+
+        trainer.load_snapshot(Snapshot(shard=[_tensor(a) for a in shard], dense={k: _tensor(v) for k, v in dense.items()},
+                                       progress=progress["progress"], window=None), window)
         return {"key": key, "node": chosen[key], "tensors": len(shard), "via": via[key]}
 
     def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, str]) -> dict[str, Any]:
@@ -722,19 +690,10 @@ class Recovery:
         """Every replica-group member's shard digest (collective in the replica group)."""
         import torch.distributed as dist
 
-        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:len(_kernel_tensors(trainer))]])
+        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:trainer.kernel_tensor_count()]])
         out: list[Any] = [None] * dist.get_world_size(self.groups.replica_pg)
         dist.all_gather_object(out, mine, group=self.groups.replica_pg)
         return out
-
-    def close(self) -> None:
-        self._settle()
-
-
-def _kernel_tensors(trainer: "Trainer") -> list["torch.Tensor"]:
-    from recgrid.engine.sync import embedding_weights, optimizer_states
-
-    return embedding_weights(trainer.model) + optimizer_states(trainer.model)
 
 
 def _tensor(a: np.ndarray) -> "torch.Tensor":

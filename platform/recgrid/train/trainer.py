@@ -1,14 +1,23 @@
-"""One worker's trainer: its runtime handles, the state that must survive, and the loop.
+"""One worker's trainer: its runtime handles, the state that must survive, and the one loop.
 
 `Trainer` separates two things, as TorchTitan's trainer does:
 - runtime handles, rebuilt on every start: process groups, device, the sharded model wrapper,
   the optimizer objects, the replica sync, the metrics component and its phase timer;
 - `TrainerState`, the state that must survive a restart: step, examples, the data cursor, the
-  replica sync's counters and in-flight delayed average, the evaluation mark. Together with the
-  model's and optimizers' tensors and the NE window, `Trainer.state_dict()` /
-  `load_state_dict()` give all of it (storage checkpoints, `train.checkpoint`), and
-  `snapshot()` / `restore()` give this worker's share of it as plain tensors (in-memory copies
-  kept by `train.recovery`). The loop never knows which source a restore came from.
+  replica sync's counters and in-flight delayed average, the evaluation mark.
+The state inventory is one: `snapshot()` gives this worker's share of all of it (its shards, the
+dense part, the progress, its NE window: `Snapshot`), and `load_snapshot()` loads one. In-memory
+copies (`train.recovery`: the shards as flat tensors in shared-memory slot files) and torchft's
+heal (`train.ft`: `Snapshot.to_dict()` over its transport) carry exactly that; `state_dict()` /
+`load_state_dict()` carry the same parts for `torch.distributed.checkpoint` (`train.checkpoint`),
+the shards in the DMP's sharded form so that DCP can reshard them. The loop never knows which
+source a restore came from.
+
+`fit` is the one step loop of every path. What differs between Ray Train's whole-group restart
+and torchft's live replicas is a component the loop calls (`Replicas`: start of a round, commit,
+replica sync, metric reduction, stop agreement; `train.ft.TorchftReplicas` for torchft). What
+runs at a step's end and owns its own cadence (snapshots, storage checkpoints, heartbeats) is
+handed in as `FitHooks.after_step`.
 
 The sharding plan is the job's, made once and replayed (`engine.sharding.make_plan`); a
 trainer built without one agrees on one with its peers (local launches, tests, benchmarks).
@@ -41,13 +50,14 @@ import itertools
 import json
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from recgrid.config import JobConfig
 from recgrid.data.specs import DatasetSpec
 from recgrid.data.stream import EvalData, TrainData
 from recgrid.data.units import DataCursor
@@ -63,7 +73,9 @@ from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything a worker needs to build its part of the 2-D engine.
+    """Everything a worker needs to build its part of the 2-D engine. No field has a default of
+    its own: `from_job` fills them from a `JobConfig` (the job's, or `recgrid.config.defaults()`
+    for code that builds trainers without a job file), so they never disagree with the config.
 
     Attributes:
         spec: the dataset spec (tables and their rows).
@@ -80,21 +92,43 @@ class EngineConfig:
         precision: dense compute: "fp32", "tf32" (TensorFloat-32 matmuls) or "bf16" (bfloat16
             autocast of the forward); None = the device's default (`engine.device.default_precision`:
             tf32 on CUDA, fp32 on CPU). tf32 and bf16 need CUDA.
+        ne_window_steps: the training NE's window, in steps.
     """
 
     spec: DatasetSpec
-    model: ModelSpec = ModelSpec()
-    lr: float = 0.05
-    eps: float = 1e-8
-    moment_scale: float | None = None
-    dense_optimizer: str = "adagrad"
-    dense_lr: float = 0.01
-    sync_every: int = 1
-    delayed_moment_sync: bool = False
-    sharding: str = "auto"
-    seed: int = 0
-    towers: TowerConfig | None = None
-    precision: str | None = None
+    model: ModelSpec
+    lr: float
+    eps: float
+    moment_scale: float | None
+    dense_optimizer: str
+    dense_lr: float
+    sync_every: int
+    delayed_moment_sync: bool
+    sharding: str
+    seed: int
+    towers: TowerConfig | None
+    precision: str | None
+    ne_window_steps: int
+
+    @classmethod
+    def from_job(cls, config: JobConfig, **overrides: Any) -> "EngineConfig":
+        """The engine of job `config` (the one translation of a JobConfig), with `overrides` of
+        these fields (tests and benchmarks: a dataset spec of their own, another K...)."""
+        m, o = config.model, config.optim
+        engine = cls(
+            spec=config.dataset_spec(),
+            # null sizes stay null: the engine resolves them against `spec` (an override may change it)
+            model=ModelSpec(arch=m.arch, embedding_dim=m.embedding_dim,
+                            dense_arch=tuple(m.dense_arch) if m.dense_arch is not None else None,
+                            over_arch=tuple(m.over_arch), dcn_num_layers=m.dcn_num_layers,
+                            dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype),
+            lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
+            dense_optimizer=o.dense_optimizer, dense_lr=o.dense_lr,
+            sync_every=config.grid.sync_every, delayed_moment_sync=config.grid.delayed_moment_sync,
+            sharding=m.sharding, seed=config.train.seed, towers=config.tower_config(),
+            precision=config.train.precision, ne_window_steps=config.train.ne_window_steps,
+        )
+        return replace(engine, **overrides)
 
     def embedding_optimizer(self, num_groups: int) -> MomentScaledRowWiseAdagrad:
         return MomentScaledRowWiseAdagrad(lr=self.lr, eps=self.eps,
@@ -103,15 +137,20 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """How long to train, and how often to log, evaluate, snapshot and checkpoint (in steps)."""
+    """How long to train, and how often to log and evaluate (in steps). Snapshots and storage
+    checkpoints own their cadence (`train.recovery.Snapshotter`, `train.checkpoint.Checkpointer`).
+    No defaults of its own: `from_job` fills it from a JobConfig."""
 
     max_steps: int
     batch_size: int
-    log_every: int = 50
-    eval_every: int = 0  # 0: evaluate only at the end
-    ne_window_steps: int = 100
-    checkpoint_every: int = 0  # 0: no storage checkpoints
-    snapshot_every_syncs: int = 1  # 0: no in-memory snapshots
+    log_every: int
+    eval_every: int  # 0: evaluate only at the end
+
+    @classmethod
+    def from_job(cls, config: JobConfig, **overrides: Any) -> "LoopConfig":
+        t = config.train
+        return replace(cls(max_steps=t.max_steps, batch_size=t.batch_size, log_every=t.log_every,
+                           eval_every=t.eval_every), **overrides)
 
 
 @dataclass
@@ -140,39 +179,101 @@ class StepOutput:
     loss: torch.Tensor  # detached scalar
     logits: torch.Tensor  # detached [B]
     labels: torch.Tensor  # [B]
-    seconds: float  # compute seconds of this step (forward, backward, optimizers; no sync)
+    seconds: float  # compute seconds of this step (forward, backward, optimizers; no replica agreement)
+    step: int = 0  # the step this batch counts for
+    committed: bool = True  # False: a torchft round that did not commit (the batch is consumed, no step taken)
 
 
 @dataclass
 class Snapshot:
-    """One worker's share of the training state as plain CPU tensors: its shards (embedding
-    weights, optimizer states, and with delayed moment sync the average in flight), the dense
-    part, and the scalar progress. The shards are the same for every member of a replica group
-    right after a sync; the dense part and progress are the same on every worker."""
+    """This worker's share of the trainer's one state inventory, as plain tensors: its shards
+    (embedding weights, optimizer states, and with delayed moment sync the average in flight),
+    the dense part (parameters and optimizer state by name), the scalar progress (step, examples,
+    data cursor, sync counters) and this worker's own NE window. The shards are the same for
+    every member of a replica group right after a sync; the dense part and progress are the
+    same on every worker. `Trainer.state_dict()` holds the same parts, the shards in the DMP's
+    sharded form (for DCP's resharding)."""
 
     shard: list[torch.Tensor]
     dense: dict[str, torch.Tensor]
     progress: dict[str, Any]
     window: torch.Tensor
 
+    def to_dict(self) -> dict[str, Any]:
+        """A transport's form (torchft's heal): tensors in lists and dicts, the progress as JSON."""
+        return {"shard": self.shard, "dense": self.dense, "progress": json.dumps(self.progress), "window": self.window}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
+        return cls(list(d["shard"]), dict(d["dense"]), json.loads(d["progress"]), d["window"])
+
 
 @dataclass
 class FitHooks:
     """What the caller plugs into `Trainer.fit` (all run on every worker).
 
-    on_log(metrics, step): the metrics reduced over all workers, every log_every steps, at the
+    on_log(metrics, step): the metrics reduced over the workers, every log_every steps, at the
         end and after each evaluation.
-    at_sync_point(trainer): after the step's replica sync, every K steps (also when M = 1):
-        where snapshots and checkpoints are taken.
-    on_step(trainer, out, batch): after every step (heartbeats, row audits).
-    stop_requested(trainer): at every logging interval; True (the same on every worker) ends
-        training there, as if max_steps were reached (a graceful stop).
+    on_step(trainer, out, batch): after every batch the loop consumed (`out.committed` False for
+        a torchft round that did not commit): row audits.
+    after_step: called with the step after every committed step, in order; each owns its
+        cadence (`Snapshotter.maybe_snapshot`, `Checkpointer.maybe_save`, heartbeats).
+    stop_requested(trainer): this worker's view of a graceful-stop request, read at every logging
+        interval; the trainer's replica component agrees on it (`Replicas.agree_stop`), and an
+        agreed stop ends training there, as if max_steps were reached.
     """
 
     on_log: Callable[[dict[str, float], int], None] | None = None
-    at_sync_point: Callable[["Trainer"], None] | None = None
     on_step: Callable[["Trainer", StepOutput, Any], None] | None = None
+    after_step: list[Callable[[int], Any]] = field(default_factory=list)
     stop_requested: Callable[["Trainer"], bool] | None = None
+
+
+class Replicas:
+    """How a trainer's steps agree with the other model copies: the part of a step that differs
+    between Ray Train's whole-group restart and torchft (`train.ft.TorchftReplicas`). This one is
+    the grid's own: every worker in one process group, dense gradients averaged by DDP inside
+    backward, the replica sync every K steps over the replica group, metrics reduced and a stop
+    agreed over all T workers; every step commits.
+
+    The loop calls, per step: `start_round()` before it reads a batch ("train"; torchft: "reload"
+    after a heal replaced the state, "end" when there is nothing left to train), `commit(step)`
+    after backward (True: the optimizer steps and the step counts), `sync(step)` after the
+    optimizer (seconds spent); per logging interval `reduce(...)` and `agree_stop(flag)`.
+    """
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def start_round(self) -> str:
+        return "train"
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def sync(self, step: int) -> float:
+        t = self.trainer
+        record = t.replica_sync.maybe_sync(step)
+        t.state.sync.settle()  # CUDA events of the plain loop's sync (nothing to read on CPU)
+        return record.seconds if record else 0.0
+
+    @property
+    def workers(self) -> int:
+        """How many workers trained the step (the examples it counts are batch x this)."""
+        return self.trainer.grid.world_size
+
+    def reduce(self, **states: Any) -> dict[str, float]:
+        return reduce_metrics(self.trainer.groups.global_pg, **states)
+
+    def agree_stop(self, mine: bool) -> bool:
+        """Global rank 0's view, told to every worker."""
+        box = [mine if self.trainer.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.trainer.groups.global_pg, group_src=0)
+        return bool(box[0])
+
+    def evaluates(self) -> bool:
+        """Whether this worker takes part in evaluations (every worker of the grid does)."""
+        return True
 
 
 @dataclass
@@ -195,7 +296,7 @@ class Trainer:
     """
 
     def __init__(self, grid: Grid, groups: GridGroups, config: EngineConfig, device: torch.device,
-                 plan: Any = None, ne_window_steps: int = 100, pipeline: bool | None = None) -> None:
+                 plan: Any = None, pipeline: bool | None = None) -> None:
         self.grid, self.groups, self.config, self.device = grid, groups, config, device
         self.rank = groups.coords.rank
         self.precision = resolve_precision(device, config.precision)
@@ -225,58 +326,67 @@ class Trainer:
                                         config.delayed_moment_sync, state=self.state.sync)
         # sharding groups initialise their shards independently: start from one copy
         self.replica_sync.align()
-        self.metrics = TrainMetrics(window_steps=ne_window_steps, device=device, imbalance_phase="lookup_kernel",
+        self.metrics = TrainMetrics(window_steps=config.ne_window_steps, device=device, imbalance_phase="lookup_kernel",
                                     deferred=self.pipelined)
         attach_lookup_timers(self.metrics.timer, self.model)
         from recgrid.engine.sptt import exchange_meter
 
         self.exchange = exchange_meter(self.model, grid, self.rank)  # bytes and world sizes of the exchange
         self._lookup_before = 0.0  # the interval's lookup seconds before the current step
+        self.replicas: Replicas = Replicas(self)  # torchft's replaces it (train.ft)
+        self._interrupted: str | None = None  # why a step generator stopped early: "reload" (a heal) or "end"
+        self._round_open = False  # a round was started and interrupted by its heal: the next batch continues it
 
     @classmethod
     def build(cls, grid: Grid, config: EngineConfig, device: torch.device, plan: Any = None,
-              ne_window_steps: int = 100, pipeline: bool | None = None) -> "Trainer":
+              pipeline: bool | None = None) -> "Trainer":
         """Build the grid's process groups and the trainer (the whole default group trains)."""
         groups = grid.build_process_groups(device.type)
         assert groups is not None, "build() is for grids that span the whole default group"
-        return cls(grid, groups, config, device, plan, ne_window_steps, pipeline)
+        return cls(grid, groups, config, device, plan, pipeline)
 
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> StepOutput:
         """Forward, backward (embedding rows are updated in place by the fused optimizer during
-        backward; dense gradients are all-reduced over all T workers by DDP), dense optimizer step."""
+        backward; dense gradients are all-reduced over all T workers by DDP), the replicas'
+        commit, and the dense optimizer step if it commits. `seconds` leaves out the commit's."""
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss, (_, logits, labels) = self._forward(batch)
         loss.backward()
-        self.dense_optimizer.step()
+        step = self.state.step + 1
+        t1 = time.perf_counter()
+        committed = self.replicas.commit(step)
+        commit_s = time.perf_counter() - t1
+        if committed:
+            self.dense_optimizer.step()
         synchronize(self.device)
-        return StepOutput(loss=loss.detach(), logits=logits, labels=labels, seconds=time.perf_counter() - t0)
+        return StepOutput(loss=loss.detach(), logits=logits, labels=labels,
+                          seconds=time.perf_counter() - t0 - commit_s, step=step, committed=committed)
 
     def _forward(self, batch: Any) -> Any:
         """The model's forward in this trainer's precision (bf16 autocast on CUDA if asked)."""
         with autocast(self.device, self.precision):
             return self.model(batch)
 
-    def _step(self, batch: Any, wait: float) -> StepOutput:
-        """One step of the loop: train, count, sync if due, and charge the phases."""
+    def _step(self, batch: Any, wait: float, round_s: float) -> StepOutput:
+        """One step of the loop: train, count, sync if due, and charge the phases (`round_s`:
+        the replicas' start of the round, charged to "sync" with the commit and the sync)."""
         timer = self.metrics.timer
         timer.add("data_wait", wait)
+        t0 = time.perf_counter()
         out = self.train_step(batch)
-        self.state.step += 1
-        self.state.examples += int(out.labels.numel()) * self.grid.world_size
-        record = self.replica_sync.maybe_sync(self.state.step)
-        self.state.sync.settle()  # CUDA events of the plain loop's sync (nothing to read on CPU)
-        timer.add("sync", record.seconds if record else 0.0)
+        agree_s = time.perf_counter() - t0 - out.seconds
+        sync_s = 0.0
+        if out.committed:
+            self.state.step = out.step
+            self.state.examples += int(out.labels.numel()) * self.replicas.workers
+            sync_s = self.replicas.sync(out.step)
+        timer.add("sync", round_s + agree_s + sync_s)
         # the lookup hooks fired inside this step's compute; the rest of it is the dense part
         timer.add("dense", max(0.0, out.seconds - timer.seconds["lookup"] + self._lookup_before))
         return out
-
-    @property
-    def at_sync_point(self) -> bool:
-        """Whether the last step ended a sync interval (the replicas are identical after it)."""
-        return self.state.step % self.config.sync_every == 0
 
     # ---- steps: the plain loop and the pipelined one -----------------------------------------------
     def _steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
@@ -286,19 +396,32 @@ class Trainer:
         return self._pipelined_steps(batches, n) if self.pipelined else self._plain_steps(batches, n)
 
     def _plain_steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
+        """Up to `n` batches, one round each; a round that does not commit (torchft) consumes its
+        batch without a step. Stops early, saying why in `_interrupted`, when the replicas' start of a round
+        replaced the state (a heal: the data resumes at the restored cursor), or when they say
+        there is nothing left to train."""
         for _ in range(n):
+            t0 = time.perf_counter()
+            # a round a heal interrupted is still open: it goes on with the restored data, no new round
+            start = "train" if self._round_open else self.replicas.start_round()
+            self._round_open = start == "reload"
+            round_s = time.perf_counter() - t0
+            if start != "train":
+                self._interrupted = start
+                return
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 return
             self._lookup_before = self.metrics.timer.seconds["lookup"]
-            yield self._step(batch, time.perf_counter() - t0), batch
+            yield self._step(batch, time.perf_counter() - t0, round_s), batch
 
     def _pipelined_steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
         """Steps through TorchRec's TrainPipelineSparseDist. The pipeline reads from a
         `BatchFeeder` of exactly the `n` batches to train (it never reads past them), and one
         step is one output of `progress()`, counted when it comes out."""
         timer = self.metrics.timer
+        assert type(self.replicas) is Replicas, "the pipelined loop commits every step: the grid's own replicas only"
         self._feeder = feeder = BatchFeeder(itertools.islice(batches, n), timer)
         try:
             for _ in range(n):
@@ -312,12 +435,13 @@ class Trainer:
                 timer.stop("dense")
                 batch = feeder.trained()
                 self.state.step += 1
-                self.state.examples += int(labels.numel()) * self.grid.world_size
+                self.state.examples += int(labels.numel()) * self.replicas.workers
                 if self.replica_sync.due(self.state.step):
                     with timer.phase("sync"):
                         self.replica_sync.sync(self.state.step)
                 # seconds: the host's time to issue the step; its device time is in the phase timer
-                yield StepOutput(loss=output[0], logits=logits, labels=labels, seconds=time.perf_counter() - t0), batch
+                yield StepOutput(loss=output[0], logits=logits, labels=labels, seconds=time.perf_counter() - t0,
+                                 step=self.state.step), batch
         finally:
             if self._feeder is feeder:
                 self._drop_pipeline()
@@ -357,6 +481,8 @@ class Trainer:
         laps, losses, compute = [], [], []
         steps = self._steps(iter(batches), max(0, max_steps - self.state.step))
         for out, _ in steps:
+            if not out.committed:
+                continue
             laps.append(self.metrics.timer.lap())  # read after the loop: no device wait per step
             losses.append(out.loss)
             compute.append(out.seconds)
@@ -376,11 +502,12 @@ class Trainer:
 
     def fit(self, data: TrainData, loop: LoopConfig, eval_data: EvalData | None = None,
             hooks: FitHooks | None = None) -> dict[str, float]:
-        """Train from the current state to `loop.max_steps`, epoch after epoch of `data`.
+        """Train from the current state to `loop.max_steps`, epoch after epoch of `data`: the one
+        step loop of every path (plain, pipelined, torchft: `self.replicas` decides what differs).
 
-        Every `log_every` steps (and at the end) the workers' metrics are reduced over all T and
-        handed to `hooks.on_log` on every worker; evaluation runs every `eval_every` steps and at
-        the end; `hooks.at_sync_point` runs every K steps. Returns the last metrics.
+        Every `log_every` steps (and at the end) the workers' metrics are reduced
+        (`Replicas.reduce`) and handed to `hooks.on_log`; evaluation runs every `eval_every` steps
+        and at the end; `hooks.after_step` runs after every committed step. Returns the last metrics.
         """
         hooks = hooks or FitHooks()
         last: dict[str, float] = {}
@@ -392,7 +519,7 @@ class Trainer:
                 hooks.on_log(values, st.step)
 
         def run_eval() -> None:
-            if eval_data is not None and st.evaluated_at != st.step:
+            if eval_data is not None and st.evaluated_at != st.step and self.replicas.evaluates():
                 log(self.evaluate(eval_data))
                 st.evaluated_at = st.step
 
@@ -400,31 +527,37 @@ class Trainer:
         stop = False
         while st.step < loop.max_steps and not stop:
             steps_left, batches = data.segment_batches(st.cursor)
-            take = min(steps_left, loop.max_steps - st.step)
-            done = 0
-            steps = self._steps(batches, take)
-            for out, batch in steps:  # one trained step each (the pipelined loop reads ahead)
+            start = st.cursor.steps
+            self._interrupted = None
+            steps = self._steps(batches, min(steps_left, loop.max_steps - st.step))
+            for out, batch in steps:  # one consumed batch each (the pipelined loop reads ahead)
                 st.cursor.steps += 1
                 self.metrics.update(torch.sigmoid(out.logits.float()), out.labels, out.loss)
                 if hooks.on_step is not None:
                     hooks.on_step(self, out, batch)
-                if self.at_sync_point and hooks.at_sync_point is not None:
-                    hooks.at_sync_point(self)
-                done += 1
+                if not out.committed:
+                    continue
+                for after in hooks.after_step:
+                    after(st.step)
                 if st.step % loop.log_every == 0 or st.step == loop.max_steps:
-                    values = reduce_metrics(self.groups.global_pg, train=self.metrics)
+                    values = self.replicas.reduce(train=self.metrics)
                     values.update(self.sync_metrics())
                     values.update(self.exchange.metrics(self.groups.global_pg, self.device))
                     self.metrics.reset_interval()
                     log(values)
-                    stop = hooks.stop_requested is not None and hooks.stop_requested(self)
+                    mine = hooks.stop_requested is not None and hooks.stop_requested(self)
+                    stop = self.replicas.agree_stop(mine)
                 if loop.eval_every and st.step % loop.eval_every == 0:
                     run_eval()
-                if stop:
+                if stop or st.step >= loop.max_steps:
                     break
             steps.close()  # drops a pipeline still holding prefetched batches
             batches.close()  # stops this worker's Ray Data stream
-            if done == steps_left:
+            if self._interrupted == "reload":  # a heal replaced the state: the data resumes at its cursor
+                continue
+            if self._interrupted == "end":  # the replicas say nothing is left to train
+                break
+            if st.cursor.steps - start == steps_left:
                 data.plan.next_epoch(st.cursor)
         run_eval()
         last["train/epochs"] = float(st.cursor.epoch)
@@ -463,7 +596,7 @@ class Trainer:
         self._drop_pipeline()
         self.replica_sync.close()
 
-    # ---- in-memory snapshots ----------------------------------------------------------------------
+    # ---- the state inventory: snapshots (in-memory copies, torchft heals) and storage checkpoints ----
     def shard_tensors(self) -> list[torch.Tensor]:
         """This worker's shards, as views of the kernels' storage: weights, optimizer states, and
         the delayed moment sync's average in flight (once it has landed)."""
@@ -474,19 +607,26 @@ class Trainer:
             extra = pending.snapshot + pending.averaged
         return embedding_weights(self.model) + optimizer_states(self.model) + extra
 
-    def snapshot(self) -> Snapshot:
-        """A copy of this worker's share of the state (collective: the NE window is summed)."""
-        return Snapshot(shard=[t.detach().to("cpu", copy=True) for t in self.shard_tensors()],
-                        dense=self.dense_state(), progress=self.state.progress(),
-                        window=self.metrics.window_state(self.groups.global_pg))
+    def kernel_tensor_count(self) -> int:
+        """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average in flight)."""
+        return len(embedding_weights(self.model)) + len(optimizer_states(self.model))
 
-    def restore(self, shard: list[torch.Tensor], dense: dict[str, torch.Tensor], progress: dict[str, Any],
-                window: torch.Tensor | None) -> None:
+    def snapshot(self, copy: bool = True) -> Snapshot:
+        """This worker's share of the state (no collective): copies on the CPU, or with `copy`
+        false views of the live tensors (the caller copies them before the next step)."""
+        shard = self.shard_tensors()
+        if copy:
+            shard = [t.detach().to("cpu", copy=True) for t in shard]
+        return Snapshot(shard=shard, dense=self.dense_state(), progress=self.state.progress(),
+                        window=self.metrics.own_window())
+
+    def load_snapshot(self, snap: Snapshot, window: torch.Tensor | None) -> None:
         """Load a snapshot taken by any worker of the same shard position (its own, or a replica
-        peer's), with the job's progress: the inverse of `snapshot`. `window` is the NE window
-        summed over the workers (global rank 0 keeps it; None: start a fresh window)."""
+        peer's): the inverse of `snapshot`. `window` is the NE window summed over the workers
+        (global rank 0 keeps it; None: start a fresh window)."""
         states = optimizer_states(self.model)
         kernel = embedding_weights(self.model) + states
+        shard = snap.shard
         if len(shard) not in (len(kernel), len(kernel) + 2 * len(states)):
             raise RuntimeError(f"snapshot holds {len(shard)} shard tensors; this worker's shards need {len(kernel)}")
         with torch.no_grad():
@@ -502,16 +642,15 @@ class Trainer:
             n = len(states)
             self.state.sync.pending = PendingAverage([t.to(self.device).clone() for t in rest[:n]],
                                                      [t.to(self.device).clone() for t in rest[n:]])
-        self.load_dense_state(dense)
-        self.state.load_progress(progress)
-        self._load_window(window)
+        self.load_dense_state(snap.dense)
+        self._load_progress(snap.progress, window)
 
     # ---- dense part -----------------------------------------------------------------------------------
     def dense_state(self) -> dict[str, torch.Tensor]:
         """Dense parameters and the dense optimizer's state by name, as CPU copies (the same on
         every worker: DDP keeps them identical)."""
-        out = {f"param/{n}": p.detach().to("cpu", copy=True) for n, p in zip(self.dense_names, self._dense_params())}
-        for n, p in zip(self.dense_names, self._dense_params()):
+        out = {f"param/{n}": p.detach().to("cpu", copy=True) for n, p in zip(self.dense_names, self.dense_params())}
+        for n, p in zip(self.dense_names, self.dense_params()):
             for k, v in self.dense_optimizer.state.get(p, {}).items():
                 if torch.is_tensor(v):
                     out[f"optim/{n}/{k}"] = v.detach().to("cpu", copy=True)
@@ -520,19 +659,20 @@ class Trainer:
     def load_dense_state(self, dense: dict[str, torch.Tensor]) -> None:
         self._init_dense_optimizer_state()
         with torch.no_grad():
-            for n, p in zip(self.dense_names, self._dense_params()):
+            for n, p in zip(self.dense_names, self.dense_params()):
                 p.copy_(dense[f"param/{n}"])
                 for k, v in self.dense_optimizer.state[p].items():
                     if torch.is_tensor(v):
                         v.copy_(dense[f"optim/{n}/{k}"])
 
-    def _dense_params(self) -> list[torch.nn.Parameter]:
+    def dense_params(self) -> list[torch.nn.Parameter]:
+        """The dense optimizer's parameters (DDP keeps them the same on every worker)."""
         return [p for group in self.dense_optimizer.param_groups for p in group["params"]]
 
     def _init_dense_optimizer_state(self) -> None:
         """Give every dense parameter its optimizer state (Adam creates it at the first step), so
         a restore has tensors to load into: one step with zero gradients and zero learning rate."""
-        params = self._dense_params()
+        params = self.dense_params()
         if all(self.dense_optimizer.state.get(p) for p in params) or self.config.dense_optimizer == "sgd":
             return
         lrs = [g["lr"] for g in self.dense_optimizer.param_groups]
@@ -545,24 +685,21 @@ class Trainer:
             g["lr"] = lr
         self.dense_optimizer.zero_grad(set_to_none=True)
 
-    def _load_window(self, window: torch.Tensor | None) -> None:
-        keep = self.rank == 0  # the summed window and all examples on one worker: the reduced sums are right
-        self.metrics.load_window_state(window, steps=self.state.step, keep=keep and window is not None)
-        self.metrics.examples_total = self.state.examples if keep else 0
-
     # ---- storage checkpoints (Stateful) ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything that must survive, for `torch.distributed.checkpoint` (collective: the NE
-        window is summed over all workers). Embedding tables and their optimizer states are the
-        DMP's DTensors, so a checkpoint loads into another M or L (DCP reshards); a delayed
-        moment sync's average in flight is not kept (the next sync starts a new one)."""
+        """The snapshot's parts for `torch.distributed.checkpoint` (collective: the NE window is
+        summed over all workers): the shards in the DMP's sharded form (the same storage as
+        `shard_tensors()`, as DTensors, so a checkpoint loads into another M or L: DCP reshards),
+        the dense part (its parameters inside the model's state), the progress and the plan. A
+        delayed moment sync's average in flight is not kept (the next sync starts a new one)."""
         self._init_dense_optimizer_state()
+        snap = self.snapshot(copy=False)
         return {
             "model": self.model.state_dict(),
             "embedding_optimizer": self.model.fused_optimizer.state_dict(),
-            "dense_optimizer": {k: v for k, v in self.dense_state().items() if k.startswith("optim/")},
+            "dense_optimizer": {k: v for k, v in snap.dense.items() if k.startswith("optim/")},
             "window": self.metrics.window_state(self.groups.global_pg),
-            "progress": json.dumps(self.state.progress()),
+            "progress": json.dumps(snap.progress),
             "plan": json.dumps(plan_record(self.plan)),
         }
 
@@ -571,11 +708,16 @@ class Trainer:
         self.model.load_state_dict(sd["model"])
         self.model.fused_optimizer.load_state_dict(sd["embedding_optimizer"])
         dense = dict(sd["dense_optimizer"])
-        dense.update({f"param/{n}": p for n, p in zip(self.dense_names, self._dense_params())})
+        dense.update({f"param/{n}": p for n, p in zip(self.dense_names, self.dense_params())})
         self.load_dense_state(dense)
         self.state.sync.pending = None
-        self.state.load_progress(json.loads(sd["progress"]))
-        self._load_window(sd["window"])
+        self._load_progress(json.loads(sd["progress"]), sd["window"])
+
+    def _load_progress(self, progress: dict[str, Any], window: torch.Tensor | None) -> None:
+        self.state.load_progress(progress)
+        keep = self.rank == 0  # the summed window and all examples on one worker: the reduced sums are right
+        self.metrics.load_window_state(window, steps=self.state.step, keep=keep and window is not None)
+        self.metrics.examples_total = self.state.examples if keep else 0
 
 
 class BatchFeeder:

@@ -1,5 +1,7 @@
-"""The Ray Train worker body: what every worker of every attempt runs.
+"""The Ray Train worker bodies: what every worker of every attempt runs. Thin: they wire the
+trainer (`train.trainer`: the one step loop) to the job's actors and components.
 
+`train_worker` (train.fault_tolerance=restart: Ray Train restarts every worker on a failure):
 1. Place the grid on the workers Ray gave this attempt: L (the sharding group size) is fixed
    for the job's life, so n workers train as M' = n // L whole sharding groups (an elastic job
    after losing or regaining capacity; no resharding, a shard's identity is its position inside
@@ -7,10 +9,16 @@
    nodes.
 2. Build the trainer with the job's recorded sharding plan.
 3. Restore: in-memory copies from the holders, else the storage checkpoint, else
-   `train.resume_from`, else fresh (`train.recovery`).
-4. Train, snapshotting at sync points and checkpointing every `train.checkpoint_every` steps;
-   global rank 0 logs into the job's one MLflow run (never twice for a step), prints progress,
-   and records the recovery events.
+   `train.resume_from`, else fresh (`train.recovery.Recovery`).
+4. Train (`Trainer.fit`). The components that own their cadence run after every step: the
+   snapshotter (`Snapshotter.maybe_snapshot`), the checkpointer (`Checkpointer.maybe_save`),
+   the replica check after a peer restore, and the logging worker's throttled heartbeat to job
+   control (`train.control`). Global rank 0 logs into the job's one MLflow run (never twice for
+   a step), prints progress, and records the recovery events.
+
+`train_replica` (train.fault_tolerance=torchft, L = 1): the same trainer and loop with torchft's
+replica component (`train.ft.TorchftReplicas`); the live replica of quorum rank 0 logs, and
+`ReplicaReport` records each replacement's heal.
 """
 
 from __future__ import annotations
@@ -22,16 +30,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from recgrid.data.stream import stats_text
-from recgrid.data.units import DEFAULT_ROWS_PER_UNIT, EpochPlan, Inputs
+from recgrid.data.stream import EvalData, TrainData, stats_text
+from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
-from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
+from recgrid.train.control import Heartbeat
+from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
+
+START_WAIT_S = 120  # torchft's first start: how long replicas wait for each other, so the first quorum has all of them
 
 
 @dataclass(frozen=True)
 class WorkerJob:
     """What the driver hands every worker (it pickles; it holds no live process handle but the
-    coordinator's actor handle)."""
+    job's actor handles). No defaults: the driver fills every field from the JobConfig."""
 
     engine: EngineConfig
     loop: LoopConfig
@@ -44,39 +55,63 @@ class WorkerJob:
     eval_inputs: Inputs | None
     run_id: str | None
     tracking_uri: str | None
-    coordinator: Any
-    run_name: str = ""
-    resume_from: str | None = None
-    row_log: str | None = None
-    rows_per_unit: int = DEFAULT_ROWS_PER_UNIT
+    control: Any  # the job's JobControl actor (train.control)
+    recovery: Any  # the job's RecoveryCoordinator actor (train.recovery)
+    run_name: str
+    resume_from: str | None
+    row_log: str | None
+    rows_per_unit: int
+    checkpoint_every: int  # steps between storage checkpoints; 0: none
+    snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
+
+
+def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
+    """What every worker does first: quiet libraries, threads, its device. Returns (Ray Train's
+    context, the device)."""
+    import ray.train
+    import torch
+
+    from recgrid.engine.device import worker_device
+    from recgrid.logs import quiet_libraries
+
+    quiet_libraries()
+    ctx = ray.train.get_context()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    return ctx, worker_device(ctx.get_local_rank(), job.use_gpu)
+
+
+def _data(job: WorkerJob, rank: int, workers: int, eval_rank: int, eval_workers: int) -> tuple[TrainData, EvalData | None]:
+    """This worker's part of each epoch (of `workers` parts) and of the evaluation rows."""
+    loop = job.loop
+    data = TrainData(EpochPlan(job.train_inputs, job.engine.seed, loop.batch_size, job.rows_per_unit),
+                     job.engine.spec, rank, workers)
+    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, eval_rank, eval_workers) \
+        if job.eval_inputs is not None else None
+    return data, eval_data
 
 
 def train_worker(cfg: dict) -> None:
     """Ray Train's per-worker function (`cfg["job"]` is the WorkerJob)."""
     import ray
-    import ray.train
-    import torch
     import torch.distributed as dist
 
-    from recgrid.engine.device import peak_memory_mb, worker_device
-    from recgrid.launch.local import quiet_libraries
+    from recgrid.engine.device import peak_memory_mb
     from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.recovery import Recovery
+    from recgrid.train.recovery import Recovery, Snapshotter
 
-    quiet_libraries()
+    import ray.train
+
     job: WorkerJob = cfg["job"]
-    ctx = ray.train.get_context()
+    ctx, device = _start_worker(job)
     world_rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    device = worker_device(ctx.get_local_rank(), job.use_gpu)
-    coordinator = job.coordinator
+    control = job.control
 
-    attempt = [ray.get(coordinator.begin_attempt.remote(world)) if world_rank == 0 else None]
+    attempt = [ray.get(control.begin_attempt.remote(world)) if world_rank == 0 else None]
     dist.broadcast_object_list(attempt, src=0)
     attempt_no = attempt[0]
     nodes: list[Any] = [None] * world
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    coordinator.register.remote(attempt_no, world_rank, os.getpid(), nodes[world_rank])
+    control.register.remote(attempt_no, world_rank, os.getpid(), nodes[world_rank])
 
     grid = place_grid(job, nodes)
     groups = grid.build_process_groups(device.type)  # collective over all `world` ranks
@@ -86,63 +121,40 @@ def train_worker(cfg: dict) -> None:
         _sit_out(side_pg)
         return
 
-    trainer = Trainer(grid, groups, job.engine, device, job.plan, ne_window_steps=job.loop.ne_window_steps)
-    exporter = metrics_exporter(job, groups.coords.rank)
-    report = _Reporter(job, trainer, coordinator, attempt_no, exporter) if world_rank == 0 else None
+    trainer = Trainer(grid, groups, job.engine, device, job.plan)
+    rank = groups.coords.rank
+    exporter = metrics_exporter(job, rank)
+    report = Reporter(job, trainer, control, job.recovery, attempt_no, exporter) if world_rank == 0 else None
     system = None
     if job.run_id and world_rank == min(r for r in range(world) if nodes[r] == nodes[world_rank]):
         import socket
 
-        from recgrid.launch.tracking import start_system_metrics
+        from recgrid.tracking import start_system_metrics
 
         # one monitor per node (its first worker), named by host and Ray node (hosts may hold several)
         system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{nodes[world_rank][:8]}", job.tracking_uri)
-    recovery = Recovery(coordinator, grid, groups, nodes[:grid.world_size], attempt_no)
-    if job.loop.snapshot_every_syncs:
-        recovery.prepare(trainer)  # shared-memory slots for this worker's snapshots, before any step
-    checkpointer = Checkpointer(ray_storage=True)
+    grid_nodes = nodes[:grid.world_size]
+    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, grid_nodes, attempt_no, job.snapshot_every_syncs)
+    recovery = Recovery(job.recovery, control, grid, groups, grid_nodes, attempt_no)
+
+    def join_sitting_out(step: int) -> None:  # the workers sitting out join Ray Train's report
+        if side_pg is not None and rank == 0:
+            dist.broadcast_object_list([("report", step)], group=side_pg, group_src=0)
+
+    def written(step: int, path: str) -> None:
+        if rank == 0:
+            job.recovery.checkpoint_written.remote(step, path)
+
+    checkpointer = Checkpointer(ray_storage=True, every=job.checkpoint_every, trainer=trainer,
+                                before_save=join_sitting_out, after_save=written)
     stored = ray.train.get_checkpoint()
     restored = recovery.restore(trainer, checkpointer, stored.path if stored else None, job.resume_from,
                                 say=report.say if report else print)
     if report:
         report.started(restored, grid)
 
-    rank, loop = groups.coords.rank, job.loop
-    data = TrainData(EpochPlan(job.train_inputs, job.engine.seed, loop.batch_size, job.rows_per_unit),
-                     job.engine.spec, rank, grid.world_size)
-    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, rank, grid.world_size) \
-        if job.eval_inputs is not None else None
+    data, eval_data = _data(job, rank, grid.world_size, rank, grid.world_size)
     rows = RowLog(job.row_log, attempt_no, world_rank) if job.row_log else None
-    pending_check = [restored.source == "peer" and grid.num_groups > 1]
-
-    def at_sync_point(t: Trainer) -> None:
-        step = t.state.step
-        if pending_check[0] and t.replica_sync.due(step):  # the first sync after a peer restore
-            digests = recovery.replica_digests(t)
-            pending_check[0] = False
-            if report:
-                report.replicas_checked(digests)
-        if loop.snapshot_every_syncs and (step // job.engine.sync_every) % loop.snapshot_every_syncs == 0:
-            with t.metrics.timer.phase("snapshot"):
-                recovery.snapshot(t)
-        if loop.checkpoint_every and step % loop.checkpoint_every == 0:
-            with t.metrics.timer.phase("checkpoint"):
-                if side_pg is not None:  # the sitting-out workers join Ray Train's report
-                    dist.broadcast_object_list([("report", step)], group=side_pg, group_src=0) if rank == 0 else None
-                path = checkpointer.save(t)
-                if rank == 0:
-                    coordinator.checkpoint_written.remote(step, path)
-
-    def on_step(t: Trainer, out: Any, batch: Any) -> None:
-        if rows is not None:
-            rows.write(t.state.step, getattr(batch, "row_ids", None))
-        if report:
-            report.step(t.state.step)
-
-    def stop_requested(t: Trainer) -> bool:
-        box = [ray.get(coordinator.stop_requested.remote()) if rank == 0 else None]
-        dist.broadcast_object_list(box, group=groups.global_pg, group_src=0)
-        return bool(box[0])
 
     def on_log(values: dict[str, float], step: int) -> None:
         # every worker exports its own memory and sync figures; rank 0 also the job's, and logs
@@ -150,17 +162,77 @@ def train_worker(cfg: dict) -> None:
         if report:
             report.log(values, step)
 
-    hooks = FitHooks(on_log=on_log, at_sync_point=at_sync_point, on_step=on_step, stop_requested=stop_requested)
-    trainer.fit(data, loop, eval_data, hooks)
+    after_step = ([report.step] if report else []) + [recovery.maybe_check_replicas, snapshotter.maybe_snapshot,
+                                                      checkpointer.maybe_save]
+    hooks = FitHooks(on_log=on_log, on_step=rows.on_step if rows else None, after_step=after_step,
+                     stop_requested=(lambda t: ray.get(control.stop_requested.remote())) if rank == 0 else None)
+    trainer.fit(data, job.loop, eval_data, hooks)
     if report and report.tracker is not None:  # Ray Data's execution stats of this worker's streams
         report.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
     trainer.close()
-    recovery.close()
+    snapshotter.close()
     if system is not None:
         system.finish()
     if side_pg is not None and rank == 0:
         dist.broadcast_object_list([("done", trainer.state.step)], group=side_pg, group_src=0)
     dist.barrier(group=groups.global_pg)
+
+
+def train_replica(cfg: dict) -> None:
+    """Ray Train's per-worker function with train.fault_tolerance=torchft (`cfg["job"]` is the
+    WorkerJob): one replica (L = 1), its torchft manager, the trainer's one loop."""
+    import logging
+
+    import ray
+
+    from recgrid.train.ft import HealTransport, TorchftReplicas, make_manager
+
+    job: WorkerJob = cfg["job"]
+    ctx, device = _start_worker(job)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every round at INFO
+    # torchft logs a peer's death as a traceback; the component says it in one line
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    replica, replicas = ctx.get_world_rank(), ctx.get_world_size()  # replica id, T (= M: L = 1)
+    control = job.control
+    attempt = ray.get(control.begin_attempt.remote(1))
+    ray.get(control.register.remote(attempt, replica, os.getpid(), ray.get_runtime_context().get_node_id()))
+    status = ray.get(control.status.remote())
+    replacement = any(replica in a["workers"] for a in status["attempts"][:attempt])
+
+    # the whole model on this worker: TorchRec's DMP over the world of one Ray made for this replica group
+    trainer = Trainer.build(Grid(1, 1), job.engine, device, job.plan, pipeline=False)
+    heal = HealTransport(trainer, replica)
+    manager = make_manager(heal, replica, device)
+    control.note.remote(attempt, replica, {"ready": True})
+    if not replacement:
+        _wait_for_peers(control, replicas)
+    report = ReplicaReport(job, trainer, heal, replica, attempt, replacement, status["attempts"][attempt],
+                           metrics_exporter(job, replica))
+    trainer.replicas = TorchftReplicas(trainer, manager, heal, report)
+    # every replica id owns a part of each epoch, live or not: a dead replica's rows wait for no one;
+    # the evaluating replica reads every eval row
+    data, eval_data = _data(job, replica, replicas, 0, 1)
+    rows = RowLog(job.row_log, attempt, replica) if job.row_log else None
+    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[report.step],
+                     stop_requested=lambda t: ray.get(control.stop_requested.remote()))
+    try:
+        trainer.fit(data, job.loop, eval_data, hooks)
+    finally:
+        manager.shutdown(wait=False)
+    report.finish()
+
+
+def _wait_for_peers(control: Any, replicas: int) -> None:
+    """At the job's first start, wait until every replica's manager is up: the first quorum then
+    holds all of them (torchft forms a quorum of whoever asks first otherwise)."""
+    import ray
+
+    deadline = time.time() + START_WAIT_S
+    while time.time() < deadline:
+        attempts = ray.get(control.status.remote())["attempts"]
+        if len({r for a in attempts for r, w in a["workers"].items() if w.get("ready")}) >= replicas:
+            return
+        time.sleep(0.1)
 
 
 def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
@@ -210,6 +282,10 @@ class RowLog:
         self.fd = os.open(os.path.join(directory, f"rows-a{attempt:03d}-r{rank:03d}.bin"),
                           os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
+    def on_step(self, trainer: Trainer, out: Any, batch: Any) -> None:
+        """`FitHooks.on_step`: the rows of every consumed batch, under the step it counts for."""
+        self.write(out.step, getattr(batch, "row_ids", None))
+
     def write(self, step: int, row_ids: Any) -> None:
         import numpy as np
 
@@ -231,42 +307,51 @@ def read_row_logs(directory: str) -> dict[tuple[int, int], Any]:
     return out
 
 
-class _Reporter:
-    """Global rank 0's voice: MLflow logging into the job's run (each step once, restarts
-    included), progress lines, recovery events and the Ray-native metrics."""
+class Reporter:
+    """The logging worker's voice: MLflow logging into the job's run (each step once, restarts
+    included), progress lines, recovery events, the Ray-native metrics and the throttled
+    heartbeat to job control."""
 
-    def __init__(self, job: WorkerJob, trainer: Trainer, coordinator: Any, attempt: int, exporter: Any) -> None:
+    def __init__(self, job: WorkerJob, trainer: Trainer, control: Any, coordinator: Any, attempt: int,
+                 exporter: Any) -> None:
         import ray
 
-        from recgrid.launch.tracking import Tracker
+        from recgrid.tracking import Tracker
 
-        self.job, self.trainer, self.coordinator, self.attempt = job, trainer, coordinator, attempt
+        self.job, self.trainer, self.control, self.coordinator, self.attempt = job, trainer, control, coordinator, attempt
         self.tracker = Tracker.attach(job.run_id, job.tracking_uri) if job.run_id else None
-        status = ray.get(coordinator.status.remote())
+        status = ray.get(control.status.remote())
         self.logged_upto = status["logged_upto"]
         self.attempt_info = status["attempts"][attempt]
         self.started_at = time.perf_counter()
         self.recovery: dict[str, Any] | None = None
         self.first_step_done = False
         self.exporter = exporter
+        self.heartbeat = Heartbeat(control)
 
     def say(self, msg: str) -> None:
         # to the process's own stdout: Ray Train's print patch would log the line a second time
         print(f"[recgrid] {msg}", file=sys.__stdout__, flush=True)
 
+    def log_grid(self, num_groups: int, world_size: int, step: int) -> None:
+        """`grid/num_groups` and `grid/world_size` at `step` (once per step, restarts included)."""
+        import ray
+
+        values = {"grid/num_groups": num_groups, "grid/world_size": world_size}
+        if self.tracker is not None and ray.get(self.control.claim_step.remote("grid", step)):
+            self.tracker.log_metrics(values, step)
+        self.exporter(values, step)
+
     def started(self, restored: Any, grid: Grid) -> None:
+        import ray
+
         from recgrid.engine.sharding import sharding_summary
 
         step = restored.step
         if self.tracker is not None and self.attempt == 0:
             self.tracker.log_params({"sharding": sharding_summary(self.trainer.plan),
                                      "grid.workers_per_node": grid.workers_per_node})
-        import ray
-
-        grid_values = {"grid/num_groups": grid.num_groups, "grid/world_size": grid.world_size}
-        if self.tracker is not None and ray.get(self.coordinator.claim_step.remote("grid", step)):
-            self.tracker.log_metrics(grid_values, step)
-        self.exporter(grid_values, step)
+        self.log_grid(grid.num_groups, grid.world_size, step)
         # the recovery gauges exist from the start (0 until a recovery), as dashboards expect
         events = [e for e in ray.get(self.coordinator.status.remote())["events"] if "seconds" in e]
         last = events[-1] if events else {}
@@ -278,12 +363,9 @@ class _Reporter:
             self.say(f"attempt {self.attempt}: T={grid.world_size} M={grid.num_groups} L={grid.group_size}; "
                      f"resuming at step {step} ({restored.source}{': ' + restored.detail if restored.detail else ''})")
 
-    def replicas_checked(self, digests: list[str]) -> None:
-        if self.recovery is not None:
-            self.coordinator.update_event.remote(self.recovery["event"], {"replicas_identical_after_sync": len(set(digests)) == 1})
-
     def step(self, step: int) -> None:
-        self.coordinator.heartbeat.remote(step)
+        """`FitHooks.after_step`: the heartbeat, and the recovery's figures at the first step."""
+        self.heartbeat.maybe_beat(step)
         if not self.first_step_done:
             self.first_step_done = True
             if self.recovery is not None:
@@ -300,28 +382,156 @@ class _Reporter:
                   "seconds": now - detected,
                   "steps_lost": max(0, (event.get("failure_step") or 0) - event["step"])}
         self.coordinator.update_event.remote(self.recovery["event"], fields)
-        count = self.recovery["event"] + 1  # events are numbered from 0, recoveries from 1
-        values = {"recovery/count": count, "recovery/seconds": fields["seconds"],
-                  "recovery/steps_lost": fields["steps_lost"]}
-        if self.tracker is not None:
-            self.tracker.log_metrics(values, step)
-            self.tracker.set_tags({f"recovery/source/{count}": self.recovery["source"],
-                                   f"recovery/detail/{count}": event.get("detail", ""),
-                                   f"recovery/why/{count}": event.get("why", "")})
+        self.log_event(self.recovery["event"] + 1, {**event, **fields}, step)  # recoveries count from 1
         self.say(f"recovered from {self.recovery['source']} in {fields['seconds']:.1f} s "
                  f"({fields['steps_lost']} steps lost)")
+
+    def log_event(self, count: int, event: dict[str, Any], step: int) -> None:
+        """Recovery number `count` into the run: its metrics and its source, detail and why as tags."""
+        values = {"recovery/count": count, "recovery/seconds": event["seconds"],
+                  "recovery/steps_lost": event.get("steps_lost", 0)}
+        if self.tracker is not None:
+            self.tracker.log_metrics(values, step)
+            self.tracker.set_tags({f"recovery/source/{count}": event["source"],
+                                   f"recovery/detail/{count}": event.get("detail", ""),
+                                   f"recovery/why/{count}": event.get("why", "")})
         self.exporter(values, step)
 
     def log(self, values: dict[str, float], step: int) -> None:
-        from recgrid.launch.report import progress_line
+        from recgrid.logs import progress_line
 
+        self.heartbeat.beat(step)
         if step <= self.logged_upto and "eval/ne" not in values:
             return  # this step reached the run before the restart
         if self.tracker is not None:
             self.tracker.log_metrics(values, step)
-        self.coordinator.mark_logged.remote(step)
+        self.control.mark_logged.remote(step)
         print(progress_line(values, step, self.job.loop.max_steps, time.perf_counter() - self.started_at),
               file=sys.__stdout__, flush=True)
+
+
+class ReplicaReport:
+    """A torchft replica's side of logging and recovery events (`train.ft.ReplicaListener`): the
+    live replica of quorum rank 0 logs through a `Reporter` (it changes when that replica dies),
+    logs `grid/num_groups` whenever the live replica count changes, and logs the replacement
+    events the newcomers record (`recovery/count`, `recovery/source` = peer, `recovery/seconds`:
+    the controller seeing the failure -> the newcomer's first committed step). In Ray Train's
+    terms, an attempt here is one replica group's start."""
+
+    def __init__(self, job: WorkerJob, trainer: Trainer, heal: Any, replica: int, attempt: int, replacement: bool,
+                 attempt_info: dict[str, Any], exporter: Any) -> None:
+        self.job, self.trainer, self.heal, self.replica, self.attempt = job, trainer, heal, replica, attempt
+        self.replacement, self.attempt_info, self.exporter = replacement, attempt_info, exporter
+        self.control, self.coordinator = job.control, job.recovery
+        self.report: Reporter | None = None  # while this replica is the quorum's rank 0
+        self.live: int | None = None
+        self.synced_live: int | None = None  # live replicas at this replica's last sync
+        self.events_logged: set[int] = set()
+        self.first_step_done = False
+
+    # ---- ReplicaListener ------------------------------------------------------------------------------
+    def quorum(self, live: int, rank: int) -> None:
+        if rank == 0 and self.report is None:
+            self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter)
+        elif rank != 0:
+            self.report = None
+        if live != self.live and self.report is not None:
+            self.report.log_grid(live, live, self.trainer.state.step)
+        self.live = live
+
+    def finished_elsewhere(self) -> bool:
+        """A replacement that found no live replica ahead while the others have already ended
+        the job (they noted their final step): nothing is left to train."""
+        import ray
+
+        if not self.replacement or self.first_step_done or (self.heal.heals and self.heal.heals[-1]["step"] > 0):
+            return False
+        attempts = ray.get(self.control.status.remote())["attempts"]
+        if not any("final_step" in w for a in attempts for w in a["workers"].values()):
+            return False
+        print(f"[recgrid] replica {self.replica}: the other replicas have finished the job; nothing to train",
+              file=sys.__stdout__, flush=True)
+        return True
+
+    def committed(self, step: int, live: int, synced: bool) -> None:
+        from recgrid.train.ft import kernel_digest
+
+        if not self.first_step_done:
+            self.first_step_done = True
+            self._record_start()
+        if step % self.job.engine.sync_every == 0 and live != self.synced_live:
+            # the first sync after the live count changed (a newcomer's first): every replica notes its
+            # tables, which must then be the same on all of them (no collective: notes go to job control)
+            self.control.note.remote(self.attempt, self.replica, {f"digest@{step}": kernel_digest(self.trainer),
+                                                                  f"live@{step}": live})
+            self.synced_live = live
+
+    # ---- FitHooks -------------------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        if self.report is not None:
+            self.report.step(step)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from recgrid.engine.device import peak_memory_mb
+
+        self.exporter({**values, "memory/peak_mb": peak_memory_mb(self.trainer.device)}, step)
+        if self.report is not None:
+            self.report.log(values, step)
+            self._log_events(step)
+
+    def finish(self) -> None:
+        """Every replica notes where it ended (its tables and dense part): the same on every live replica."""
+        import ray
+
+        from recgrid.train.ft import dense_digest, kernel_digest
+
+        t = self.trainer
+        if self.report is not None:
+            self._log_events(t.state.step)
+        ray.get(self.control.note.remote(self.attempt, self.replica, {
+            "final_step": t.state.step, "final_digest": kernel_digest(t), "final_dense_digest": dense_digest(t),
+            "heals": [dict(h) for h in self.heal.heals]}))
+
+    # ---- events -----------------------------------------------------------------------------------------
+    def _record_start(self) -> None:
+        """At this replica's first committed step: a replacement records how it came back."""
+        import ray
+
+        if not self.replacement:
+            return
+        now = time.time()
+        detected = self.attempt_info.get("failure_time") or self.attempt_info["start"]
+        heal = self.heal.heals[-1] if self.heal.heals else None
+        if heal is None or heal["step"] == 0:
+            event = {"source": "fresh", "step": 0, "why": "no live replica ahead of this one: training starts again "
+                                                          "from step 0 (no storage checkpoints with torchft)"}
+        else:
+            event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"],
+                     "digest": heal["digest"], "source_digest": heal["source_digest"],
+                     "bit_identical": heal["digest"] == heal["source_digest"], "restore_s": heal["load_s"],
+                     "why": f"replica {self.replica} replaced; healed from live replica {heal['from']} over "
+                            f"torchft's PGTransport (no storage read; the other replicas kept running)",
+                     "detail": f"replica {self.replica} from replica {heal['from']}"}
+        event.update(attempt=self.attempt, replica=self.replica, pid=os.getpid(), failure_step=None, steps_lost=0,
+                     t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
+                     t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
+                     num_groups=self.live, world_size=self.live)
+        ray.get(self.coordinator.record.remote(event))
+
+    def _log_events(self, step: int) -> None:
+        """The logger's part: replacement events recorded by newcomers, each logged once."""
+        import ray
+
+        events = ray.get(self.coordinator.status.remote())["events"]
+        for i, event in enumerate(events):
+            if i in self.events_logged or "seconds" not in event:
+                continue
+            self.events_logged.add(i)
+            if not ray.get(self.control.claim_step.remote("event", i)):
+                continue
+            self.report.log_event(i + 1, event, step)
+            self.report.say(f"recovery {i + 1}: {event.get('why', '')}; first step {event['seconds']:.1f} s after "
+                            f"the failure was seen")
 
 
 def metrics_exporter(job: WorkerJob, rank: int):

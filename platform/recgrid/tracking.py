@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Mapping
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = REPO_ROOT / "runs"
 DEFAULT_EXPERIMENT = "recgrid"
 ARTIFACTS_DIRNAME = "mlartifacts"
@@ -315,7 +315,7 @@ class Tracker:
             try:
                 record()
             except Exception as e:  # noqa: BLE001 - the original error matters more than this one
-                print(f"recgrid.launch.tracking: could not record the error in MLflow: {redact_uri(str(e))}",
+                print(f"recgrid.tracking: could not record the error in MLflow: {redact_uri(str(e))}",
                       file=sys.stderr)
         self._end("FAILED")
 
@@ -354,13 +354,6 @@ class Tracker:
         exe = str(mlflow_bin) if mlflow_bin.exists() else "mlflow"
         return f"{shlex.quote(exe)} ui --backend-store-uri {shlex.quote(uri)}"
 
-    def run_url(self) -> str | None:
-        """The run's page when the store is a tracking server, else None."""
-        uri = self.tracking_uri.rstrip("/")
-        if self.run_id and uri.startswith(("http://", "https://")):
-            return self.ui_url()
-        return None
-
     def ui_url(self, page: str = "") -> str:
         """The run's page in the MLflow UI's model-training view (`page`: a tab, e.g.
         "artifacts/compare/chart.png"): on the tracking server, or on `mlflow ui`'s default
@@ -397,7 +390,7 @@ def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: 
         monitor.start()
         return monitor
     except Exception as e:  # noqa: BLE001 - metrics must never stop training
-        print(f"recgrid.launch.tracking: MLflow system metrics are off on this node: {type(e).__name__}: "
+        print(f"recgrid.tracking: MLflow system metrics are off on this node: {type(e).__name__}: "
               f"{redact_uri(str(e))}",
               file=sys.stderr)
         return None

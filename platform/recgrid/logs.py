@@ -1,0 +1,37 @@
+"""What a recgrid process prints: libraries kept quiet, and the progress line of a training job.
+
+Below `train/` and `launch/` (both use it): the Ray Train workers, the local gloo launcher and
+the driver keep their output to recgrid's own lines.
+"""
+
+from __future__ import annotations
+
+
+def quiet_libraries() -> None:
+    """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("torch", "torchrec", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # FBGEMM logs each kernel's whole configuration at INFO through the root logger, and Ray
+    # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+
+def progress_line(m: dict[str, float], step: int, max_steps: int, elapsed: float) -> str:
+    """One line per logging interval (training) or per evaluation."""
+    if "eval/ne" in m:
+        parts = [f"[recgrid] eval at step {step}/{max_steps}"]
+        fields = (("eval/ne", "NE", "{:.4f}"), ("eval/auc", "AUC", "{:.4f}"), ("eval/examples", "rows", "{:,.0f}"))
+    else:
+        parts = [f"[recgrid] step {step:>6}/{max_steps}"]
+        fields = (("train/qps", "qps", "{:,.0f}"), ("train/loss", "loss", "{:.4f}"), ("train/ne", "ne", "{:.4f}"),
+                  ("memory/peak_mb_max", "mem MiB", "{:,.0f}"), ("sync/seconds_total", "sync s", "{:.2f}"))
+    for key, label, fmt in fields:
+        if key in m:
+            parts.append(f"{label} {fmt.format(m[key])}")
+    parts.append(f"{elapsed:,.0f}s")
+    return " | ".join(parts)

@@ -1,0 +1,147 @@
+"""Job control: one actor per job, owned by the driver, that every attempt's workers report to.
+
+`JobControl` keeps what the job's attempts share and what the driver, tests and benchmarks
+watch, apart from recovery (`train.recovery`: snapshot holders, the restore plan, recovery
+events):
+- the attempts: each worker group Ray Train starts (or, with torchft, each replica group), with
+  every worker's rank, pid and node (recorded in the run as `grid/ranks.json` once an attempt's
+  workers have all registered, `train.placement.record_ranks`), and when the controller first saw the failure that led to
+  it (`FailureClock`, a Ray Train callback in the controller);
+- the stop flag: `request_stop()` asks the job to end at its next logging interval, as if it
+  had reached max_steps (the workers agree on it through their trainer's replica component);
+- heartbeats: the newest step any attempt finished, sent by the worker that logs, throttled to
+  one call per `HEARTBEAT_S` (and every logging step), never one per step;
+- MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`), and
+  `claim_step`, which says yes once per series and step, restarts included.
+
+Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
+
+
+class JobControlImpl:
+    """The job's attempts, stop flag, heartbeats and logged-up-to mark (one actor)."""
+
+    def __init__(self, run_id: str | None = None, tracking_uri: str | None = None) -> None:
+        self.run_id, self.tracking_uri = run_id, tracking_uri  # where grid/ranks.json goes
+        self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node, notes)
+        self.failure_time: float | None = None  # when the controller first saw the current failure
+        self.last_step = 0  # newest step any attempt finished (the logging worker's heartbeat)
+        self.logged_upto = -1  # newest step whose metrics reached the run
+        self.stop = False  # a graceful stop was asked for
+        self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
+
+    def begin_attempt(self, world_size: int) -> int:
+        self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
+                              "failure_time": self.failure_time, "last_step_before": self.last_step})
+        self.failure_time = None
+        return len(self.attempts) - 1
+
+    def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
+        """A worker of `attempt` started; once all have, the run's grid/ranks.json is rewritten."""
+        from recgrid.train.placement import record_ranks
+
+        workers = self.attempts[attempt]["workers"]
+        workers[rank] = {"pid": pid, "node": node_id}
+        if len(workers) == self.attempts[attempt]["world_size"]:
+            try:
+                record_ranks(self.run_id, self.tracking_uri, self.attempts)
+            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
+                print(f"recgrid: could not record {len(workers)} ranks of attempt {attempt} in the run: {e}", flush=True)
+
+    def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
+        """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
+        self.attempts[attempt]["workers"][rank].update(fields)
+
+    def failure_detected(self, when: float) -> None:
+        if self.failure_time is None:
+            self.failure_time = when
+
+    def heartbeat(self, step: int) -> None:
+        self.last_step = step
+
+    def request_stop(self) -> None:
+        """Ask the job to end at its next logging interval, as if it had reached max_steps."""
+        self.stop = True
+
+    def stop_requested(self) -> bool:
+        return self.stop
+
+    def claim_step(self, name: str, step: int) -> bool:
+        """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
+        claimed = self.claimed.setdefault(name, set())
+        if step in claimed:
+            return False
+        claimed.add(step)
+        return True
+
+    def mark_logged(self, step: int) -> None:
+        self.logged_upto = max(self.logged_upto, step)
+
+    def status(self) -> dict[str, Any]:
+        return {"attempts": self.attempts, "last_step": self.last_step, "logged_upto": self.logged_upto,
+                "failure_time": self.failure_time, "stop": self.stop}
+
+
+class LazyActor:
+    """`ray.remote` applied to `cls` on first use, so importing a module that defines actors needs
+    no Ray. Bookkeeping and memory copies: no CPU reserved, so they never wait behind training."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls, self.actor = cls, None
+
+    def options(self, **kw: Any) -> Any:
+        return self._get().options(**kw)
+
+    def remote(self, *a: Any, **kw: Any) -> Any:
+        return self._get().remote(*a, **kw)
+
+    def _get(self) -> Any:
+        if self.actor is None:
+            import ray
+
+            self.actor = ray.remote(num_cpus=0, max_concurrency=4)(self.cls)
+        return self.actor
+
+
+JobControl = LazyActor(JobControlImpl)
+
+
+class FailureClock:
+    """A Ray Train callback (runs in the controller) that tells job control when a worker failure
+    was first seen: the start of `recovery/seconds`."""
+
+    def __new__(cls, control: Any) -> Any:
+        from ray.train import UserCallback
+
+        class _Clock(UserCallback):
+            def __init__(self, control: Any) -> None:
+                self.control = control
+
+            def after_exception(self, run_context: Any, worker_exceptions: dict) -> None:
+                self.control.failure_detected.remote(time.time())
+
+        return _Clock(control)
+
+
+class Heartbeat:
+    """A worker's throttled heartbeat: `maybe_beat(step)` tells job control the step at most once
+    per `every_s` seconds (`beat` always: a logging step, the end)."""
+
+    def __init__(self, control: Any, every_s: float = HEARTBEAT_S) -> None:
+        self.control, self.every_s = control, every_s
+        self._last = 0.0
+
+    def maybe_beat(self, step: int) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self.beat(step)
+
+    def beat(self, step: int) -> None:
+        self._last = time.monotonic()
+        self.control.heartbeat.remote(step)

@@ -1,0 +1,120 @@
+"""The package's layering rules (DESIGN.md, "Layout of the repository"), checked on its source.
+
+Walks every module of `recgrid` with `ast` (no import runs) and fails on:
+- an import of another module's `_private` name (`from recgrid.x import _y`, `import
+  recgrid.x._y`), or an `_private` attribute read off another recgrid module (`x._y`);
+- an import across the layers: `engine/` imports nothing of recgrid but itself and `data/specs`;
+  `data/` never imports `train/` or `launch/`; `train/` never imports `launch/`; the modules at
+  the package's top that both `train/` and `launch/` use (tracking, logs, config) import neither.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "platform"
+PACKAGE = ROOT / "recgrid"
+
+# importer prefix -> the recgrid prefixes it must not import (checked in order; the first match applies)
+FORBIDDEN = {
+    "recgrid.engine": ("recgrid.train", "recgrid.launch", "recgrid.plan", "recgrid.config", "recgrid.cli",
+                       "recgrid.tracking", "recgrid.logs", "recgrid.data.criteo", "recgrid.data.stream",
+                       "recgrid.data.synth", "recgrid.data.prepare", "recgrid.data.units"),
+    "recgrid.data": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+    "recgrid.train": ("recgrid.launch", "recgrid.cli"),
+    "recgrid.tracking": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+    "recgrid.logs": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+    "recgrid.config": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(tree: ast.AST, name: str) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None) for every recgrid import in `tree`."""
+    out: list[tuple[int, str, str | None]] = []
+    package = name if (PACKAGE / Path(*name.split(".")[1:]) / "__init__.py").exists() else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names if a.name.startswith("recgrid")]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([mod] if mod else []))
+            if mod.startswith("recgrid"):
+                out += [(node.lineno, mod, a.name) for a in node.names]
+    return out
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def is_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = path.relative_to(ROOT.parent)
+        bound: dict[str, str] = {}  # local name -> the recgrid module it is bound to
+        for line, mod, item in imports(tree, name):
+            target = f"{mod}.{item}" if item is not None and is_module(f"{mod}.{item}") else mod
+            if any(is_private(p) for p in target.split(".")) or (item is not None and is_private(item)):
+                if target != name and mod != name:
+                    found.append(f"{where}:{line}: imports a private name of another module: {mod}"
+                                 + (f" import {item}" if item else ""))
+            for importer, banned in FORBIDDEN.items():
+                if name == importer or name.startswith(importer + "."):
+                    for b in banned:
+                        if target == b or target.startswith(b + "."):
+                            found.append(f"{where}:{line}: {name} imports {target} (layering: {importer} "
+                                         f"must not import {b})")
+                    break
+            if item is not None and is_module(f"{mod}.{item}"):
+                bound[item] = f"{mod}.{item}"
+            elif item is None:
+                bound[mod.split(".")[0]] = mod.split(".")[0]
+        for node in ast.walk(tree):  # `module._private` read off another recgrid module
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and bound[node.value.id] != name and is_private(node.attr)):
+                found.append(f"{where}:{node.lineno}: reads {node.value.id}.{node.attr}, a private name of "
+                             f"{bound[node.value.id]}")
+    return found
+
+
+def test_no_private_imports_and_layers_hold() -> None:
+    assert violations() == []
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from recgrid.train.worker import _Reporter\n", "private name"),
+    ("from recgrid.launch.report import say\n", "layering"),
+    ("from recgrid.train import recovery\nrecovery._job_dir('x')\n", "private name of recgrid.train.recovery"),
+])
+def test_the_walker_finds_what_it_must(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+                                       expected: str) -> None:
+    """The check can fail: a planted bad import in a copy of the package is reported."""
+    import shutil
+
+    copy = tmp_path / "platform"
+    shutil.copytree(PACKAGE, copy / "recgrid", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "recgrid" / "train" / "planted.py").write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", copy)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy / "recgrid")
+    found = violations()
+    assert any("planted.py" in v and expected in v for v in found), found
