@@ -79,12 +79,18 @@ def test_a_layout_the_cluster_cannot_give_is_refused_before_any_worker_starts(cl
     r = run_job(small_job(tmp_path, "test-placement-refused", "train.cpus_per_worker=1.5"))
     assert r.status == "FAILED" and r.error.startswith(
         "GridError: host-local layout: the cluster's nodes hold 2 of the 4 workers the job needs")
+    # workers that would take every CPU leave none for Ray Data's read tasks: refused, not a hang
+    r = run_job(small_job(tmp_path, "test-placement-refused", "train.cpus_per_worker=1"))
+    assert r.status == "FAILED" and r.error.startswith(
+        "GridError: the T=4 workers reserve 4 of the cluster's 4 CPUs (train.cpus_per_worker=1), leaving less "
+        "than the 0.25 CPU a Ray Data read task reserves")
     assert ray.is_initialized()
 
 
 def test_host_local_on_packed_nodes_puts_each_replica_group_on_one_node(cluster, tmp_path):
-    # 1 CPU per worker: two workers fill a node, so PACK has no room to spare anywhere
-    cfg = small_job(tmp_path, "test-placement-host-local", "grid.layout=host-local", "train.cpus_per_worker=1",
+    # 0.875 CPU per worker: two workers fill a node (a third does not fit), leaving each node only the
+    # quarter CPU of a Ray Data read task; PACK has no room for a worker to spare anywhere
+    cfg = small_job(tmp_path, "test-placement-host-local", "grid.layout=host-local", "train.cpus_per_worker=0.875",
                     "train.max_steps=5", "train.log_every=5")
     job = BackgroundJob(cfg)
     r = job.join()

@@ -168,9 +168,22 @@ def check_cluster(config: JobConfig) -> None:
     """Refuse, before any worker starts, a cluster whose nodes cannot give the job's layout
     (`Grid.check_cluster`, from what each alive node offers); the error names the layout, the
     nodes and what to change."""
+    import ray
+
+    from recgrid.data.stream import DEFAULT_NUM_CPUS_PER_TASK
+    from recgrid.engine.grid import GridError
     from recgrid.train.placement import cluster_slots
 
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
+    # every batch comes out of Ray Data read tasks: the workers must leave them a CPU share somewhere
+    total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
+    taken = config.grid.world_size * config.train.cpus_per_worker
+    if total - taken < DEFAULT_NUM_CPUS_PER_TASK:
+        raise GridError(
+            f"the T={config.grid.world_size} workers reserve {taken:g} of the cluster's {total:g} CPUs "
+            f"(train.cpus_per_worker={config.train.cpus_per_worker:g}), leaving less than the "
+            f"{DEFAULT_NUM_CPUS_PER_TASK:g} CPU a Ray Data read task reserves, so training would wait for "
+            f"its data forever; lower train.cpus_per_worker or add a node with CPUs")
 
 
 def storage_path(config: JobConfig) -> str:
