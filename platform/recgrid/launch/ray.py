@@ -170,20 +170,13 @@ def check_cluster(config: JobConfig) -> None:
     nodes and what to change."""
     import ray
 
-    from recgrid.data.stream import DEFAULT_NUM_CPUS_PER_TASK
-    from recgrid.engine.grid import GridError
-    from recgrid.train.placement import cluster_slots
+    from recgrid.train.placement import check_room_for_data, cluster_slots
 
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
-    # every batch comes out of Ray Data read tasks: the workers must leave them a CPU share somewhere
     total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
     taken = config.grid.world_size * config.train.cpus_per_worker
-    if total - taken < DEFAULT_NUM_CPUS_PER_TASK:
-        raise GridError(
-            f"the T={config.grid.world_size} workers reserve {taken:g} of the cluster's {total:g} CPUs "
-            f"(train.cpus_per_worker={config.train.cpus_per_worker:g}), leaving less than the "
-            f"{DEFAULT_NUM_CPUS_PER_TASK:g} CPU a Ray Data read task reserves, so training would wait for "
-            f"its data forever; lower train.cpus_per_worker or add a node with CPUs")
+    check_room_for_data(total - taken, f"the T={config.grid.world_size} workers would reserve {taken:g} of the "
+                                       f"cluster's {total:g} CPUs (train.cpus_per_worker={config.train.cpus_per_worker:g})")
 
 
 def storage_path(config: JobConfig) -> str:

@@ -27,6 +27,8 @@ import json
 import math
 from typing import Any, Mapping
 
+from recgrid.engine.grid import GridError
+
 PLACEMENT_STRATEGY = {"host-local": "PACK", "inter-host": "SPREAD"}
 """Ray placement strategy that gives each layout (see the module docstring)."""
 
@@ -85,3 +87,22 @@ def record_ranks(run_id: str | None, tracking_uri: str | None, attempts: list[di
     client.log_text(run_id, json.dumps(rank_records(attempts), indent=1), RANKS_ARTIFACT)
     first = next(a for a in attempts if len(a["workers"]) == a["world_size"])
     client.log_param(run_id, "grid.nodes", len({w["node"] for w in first["workers"].values()}))
+
+
+def check_room_for_data(free_cpus: float, what: str) -> None:
+    """Refuse a cluster whose free CPUs cannot run one Ray Data read task: every batch comes out of
+    those tasks, so training would wait for its data forever. `what` says who holds the CPUs."""
+    from recgrid.data.stream import DEFAULT_NUM_CPUS_PER_TASK
+
+    if free_cpus + 1e-9 < DEFAULT_NUM_CPUS_PER_TASK:
+        raise GridError(
+            f"{what}, leaving {free_cpus:g} CPU free, less than the {DEFAULT_NUM_CPUS_PER_TASK:g} CPU a Ray Data "
+            f"read task reserves, so training would wait for its data forever; lower train.cpus_per_worker "
+            f"or add a node with CPUs")
+
+
+def free_cpus() -> float:
+    """CPUs no task or actor holds now, over the alive nodes of the connected cluster."""
+    import ray
+
+    return float(ray.available_resources().get("CPU", 0.0))

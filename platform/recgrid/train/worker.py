@@ -242,7 +242,7 @@ def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     alike: collective over the default process group)."""
     import torch.distributed as dist
 
-    from recgrid.train.placement import usable_nodes
+    from recgrid.train.placement import check_room_for_data, free_cpus, usable_nodes
 
     L = job.group_size
     n = min(job.max_world_size, len(nodes) // L * L)
@@ -252,9 +252,13 @@ def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
     counts = Counter(nodes[:n])
     per_node = next(iter(counts.values())) if len(set(counts.values())) == 1 else None
     grid = Grid(n, n // L, job.layout, workers_per_node=per_node)  # type: ignore[arg-type]
-    cluster = [usable_nodes() if dist.get_rank() == 0 and job.layout == "inter-host" else 1]
+    # rank 0 counts the nodes that could hold a worker (inter-host) and the CPUs the workers left free
+    cluster = [(usable_nodes() if job.layout == "inter-host" else 1, free_cpus()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(cluster, src=0)
-    grid.check_placement(nodes[:n], cluster_nodes=cluster[0])
+    usable, free = cluster[0]
+    grid.check_placement(nodes[:n], cluster_nodes=usable)
+    # every attempt, restarts after a node loss included: the workers must leave Ray Data a CPU share
+    check_room_for_data(free, f"this attempt's {len(nodes)} workers hold their CPUs")
     return grid
 
 
