@@ -1,6 +1,7 @@
 """Node loss and elastic group count on a real multi-node Ray cluster in one process
-(`ray.cluster_utils.Cluster`: a head with no CPU for workers, two worker nodes that hold two
-workers each).
+(`ray.cluster_utils.Cluster`: a head that holds no worker (it lacks the `worker_slot` resource
+the workers ask for) and whose CPU runs Ray Data's read tasks, two worker nodes that hold two
+workers each and are full with them).
 
 Acceptance 3: with the inter-host layout the job survives losing a node from the peer copies on
 the other node (the elastic job below: the surviving sharding group's copies restore it, and
@@ -16,14 +17,16 @@ import pytest
 
 from faults import BackgroundJob, mlflow_client, ray_env, small_job, training
 
+WORKER_SLOT = "train.resources_per_worker={worker_slot: 1}"  # workers on the worker nodes only
+
 
 @pytest.fixture(scope="module")
 def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [_worker_node(c) for _ in range(2)]
     ray.init(address=c.address, runtime_env={"env_vars": ray_env()}, logging_level="WARNING")
     c.wait_for_nodes()
     box = {"cluster": c, "nodes": nodes}
@@ -39,12 +42,16 @@ def _lose_a_node(cluster, job, at_step: int, replace: bool = True):
     lost_id = victim.node_id
     cluster["cluster"].remove_node(victim)
     if replace:
-        cluster["nodes"].append(cluster["cluster"].add_node(num_cpus=1))
+        cluster["nodes"].append(_worker_node(cluster["cluster"]))
     return st["last_step"], lost_id
 
 
+def _worker_node(c):
+    return c.add_node(num_cpus=1, resources={"worker_slot": 2})
+
+
 def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):
-    cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50",
+    cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50", WORKER_SLOT,
                     "train.max_failures=2", "train.checkpoint_every=10")
     job = BackgroundJob(cfg)
     step, lost = _lose_a_node(cluster, job, 17)
@@ -66,7 +73,7 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
 
     # Ray 2.60 sees regained capacity within ~20 s (its autoscaling coordinator's tick), so the
     # job is long and is stopped gracefully once it has grown back and synced
-    cfg = small_job(tmp_path, "test-elastic", "grid.layout=inter-host", "grid.min_world_size=2",
+    cfg = small_job(tmp_path, "test-elastic", "grid.layout=inter-host", "grid.min_world_size=2", WORKER_SLOT,
                     "train.resize_check_s=3", "train.max_steps=100000", "train.max_failures=2")
     job = BackgroundJob(cfg)
     _, lost = _lose_a_node(cluster, job, 12, replace=False)
@@ -74,7 +81,7 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
     # the global last step is still attempt 0's, so `training` alone would not wait for the restore
     st = job.wait_for(lambda s: training(s, 1, 0) and any("seconds" in e for e in s["events"]))
     assert st["attempts"][1]["world_size"] == 2  # on what is left: one sharding group
-    cluster["nodes"].append(cluster["cluster"].add_node(num_cpus=1))
+    cluster["nodes"].append(_worker_node(cluster["cluster"]))
     st = job.wait_for(lambda s: training(s, 2, 0), timeout=180)
     job.wait_for(lambda s: s["last_step"] >= st["last_step"] + 12)  # past the first sync after growing
     job.request_stop()

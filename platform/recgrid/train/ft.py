@@ -127,6 +127,8 @@ class ReplicaListener(Protocol):
 class TorchftReplicas(Replicas):
     """The trainer's replica component under torchft (the module docstring's rounds)."""
 
+    rounds_talk = True  # every round asks the quorum, every commit too: charged to "sync"
+
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener) -> None:
         super().__init__(trainer)
         self.manager, self.heal, self.listener = manager, heal, listener

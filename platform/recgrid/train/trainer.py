@@ -245,6 +245,8 @@ class Replicas:
     def __init__(self, trainer: "Trainer") -> None:
         self.trainer = trainer
 
+    rounds_talk = False  # start_round and commit need no peer here (torchft's ask the quorum)
+
     def start_round(self) -> str:
         return "train"
 
@@ -383,7 +385,9 @@ class Trainer:
             self.state.step = out.step
             self.state.examples += int(out.labels.numel()) * self.replicas.workers
             sync_s = self.replicas.sync(out.step)
-        timer.add("sync", round_s + agree_s + sync_s)
+        # the rounds and the commit are replica work only where they talk to peers (torchft's quorum);
+        # the grid's own are no-ops, and M = 1 charges no sync at all
+        timer.add("sync", sync_s + (round_s + agree_s if self.replicas.rounds_talk else 0.0))
         # the lookup hooks fired inside this step's compute; the rest of it is the dense part
         timer.add("dense", max(0.0, out.seconds - timer.seconds["lookup"] + self._lookup_before))
         return out
