@@ -183,7 +183,7 @@ class TrackingConfig:
     experiment: str = "recgrid"
     """MLflow experiment name."""
     run_name: str | None = None
-    """MLflow run name; null = "T<T>-M<M>-K<K>"."""
+    """MLflow run name; null = "T<T>-M<M>-K<K>" ("T<T>-M1" when M = 1, which has no replica groups to sync)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; null = $MLFLOW_TRACKING_URI if set, else sqlite:///<repo>/runs/mlflow.db."""
 
