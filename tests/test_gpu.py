@@ -108,6 +108,48 @@ def test_cpu_keeps_the_plain_loop_fp32_and_the_host_clock():
     assert pipelined(torch.device("cuda", 0))  # decided by type: no GPU needed to ask
 
 
+def test_a_launcher_assigned_device_is_kept_over_the_local_rank():
+    """Under torchft Ray counts local ranks per replica group of one worker (0 for every worker):
+    the device Ray assigned wins; the local rank only picks where no launcher assigned one."""
+    from recgrid.engine.device import choose_device
+
+    assert choose_device(0, 4, torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert choose_device(0, 8, torch.device("cuda", 5)) == torch.device("cuda", 5)
+    assert choose_device(5, 4) == torch.device("cuda", 1)  # the local launcher: one process per GPU
+    with pytest.raises(RuntimeError, match="assigned cpu, not a CUDA device"):
+        choose_device(0, 4, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        choose_device(0, 0)
+
+
+def test_batches_are_pinned_on_cuda_workers_only():
+    from recgrid.data.stream import batches_of_block, collate_block
+    from recgrid.data.synth import synth_table
+    from recgrid.engine.device import pin_batches
+
+    assert pin_batches(torch.device("cuda", 1)) and not pin_batches(torch.device("cpu"))
+    table = synth_table(SPEC, 64, 0)
+    block = collate_block({n: table.column(n).to_numpy() for n in table.column_names}, SPEC, 32)
+    plain = list(batches_of_block(block, pin=pin_batches(torch.device("cpu"))))
+    assert len(plain) == 2 and not plain[0].dense_features.is_pinned()
+    if CUDA:  # the pinned path: the same batches, page-locked, row ids beside them
+        pinned = list(batches_of_block(block, pin=pin_batches(torch.device("cuda", 0))))
+        for a, b in zip(plain, pinned):
+            for x in (b.dense_features, b.labels, b.sparse_features.values(), b.sparse_features.lengths()):
+                assert x.is_pinned()
+            assert torch.equal(a.dense_features, b.dense_features) and torch.equal(a.row_ids, b.row_ids)
+
+
+def test_evaluation_never_autocasts():
+    import contextlib
+
+    from recgrid.engine.device import autocast
+
+    # decided before torch.autocast is built: no GPU needed to ask
+    assert isinstance(autocast(torch.device("cuda", 0), "bf16", training=False), contextlib.nullcontext)
+    assert isinstance(autocast(torch.device("cuda", 0), "tf32"), contextlib.nullcontext)
+
+
 def test_deferred_timer_nets_inner_phases_out_and_reads_late():
     from recgrid.train.metrics import DeferredPhaseTimer, PhaseTimer, TrainMetrics
 
@@ -204,8 +246,21 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
         rec["syncs"] = trainer.state.sync.count
         return rec
 
+    import recgrid.train.trainer as trainer_module
+
+    real, flags = trainer_module.autocast, {True: 0, False: 0}
+
+    def spy(device, precision, training=True):  # a spy, not a mock: it returns the real context
+        flags[training] += 1
+        return real(device, precision, training)
+
+    trainer_module.autocast = spy
     a = Trainer.build(grid, engine, torch.device("cpu"), pipeline=False)
-    plain = fit(a)
+    try:
+        plain = fit(a)
+    finally:
+        trainer_module.autocast = real
+    plain["autocast_training"] = flags
     p = Trainer.build(grid, engine, torch.device("cpu"), pipeline=True)
     snaps: dict = {}
     stopped = fit(p, stop_at=STOP, snaps=snaps)
@@ -263,6 +318,13 @@ def test_cpu_trainer_does_not_construct_the_pipeline(gloo_results):
     for r in gloo_results:
         assert r["run"]["default"] == {"pipelined": False, "pipeline": None, "timer": "PhaseTimer",
                                        "forward": "method", "precision": "fp32"}
+
+
+def test_training_forwards_ask_for_autocast_and_evaluation_forwards_do_not(gloo_results):
+    for r in gloo_results:
+        flags, evals = r["fit"]["plain"]["autocast_training"], r["fit"]["plain"]["evals"]
+        assert flags[True] == STEPS  # one training forward per step of the plain loop
+        assert evals and flags[False] >= len(evals)  # every evaluation's forwards: training=False
 
 
 def test_pipelined_loop_counts_steps_rows_and_syncs_as_the_plain_loop(gloo_results):
