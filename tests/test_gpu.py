@@ -15,9 +15,7 @@ pipeline's losses against the plain loop's at fp32, the CUDA-event phase split, 
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 
 import pytest
 import torch
@@ -372,48 +370,15 @@ def test_run_reads_only_what_it_trains_and_matches_the_plain_loop(gloo_results):
 
 # ---- on CUDA: T=1 with NCCL ----------------------------------------------------------------------
 def _nccl_run(fn, *args, world_size: int = 1):
-    """Run `fn(device, *args)` on `world_size` spawned processes, rank r of an NCCL group on cuda:r.
-    One rank: its value; several: their values by rank."""
-    import torch.multiprocessing as mp
+    """`fn(device, *args)` on `world_size` NCCL ranks, one GPU each (recgrid's local launcher)."""
+    from recgrid.launch.local import run_local
 
-    from recgrid.launch.local import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(port, r, world_size, q, fn, args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(world_size):
-            rank, ok, value = q.get(timeout=900)
-            if not ok:
-                raise AssertionError(f"rank {rank}: {value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    return got[0] if world_size == 1 else [got[r] for r in range(world_size)]
+    got = run_local(_on_device, world_size, fn, *args, device_type="cuda")
+    return got[0] if world_size == 1 else got
 
 
-def _nccl_worker(port, rank, world_size, q, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    try:
-        from recgrid.engine.device import worker_device
-        from recgrid.logs import quiet_libraries
-
-        quiet_libraries()
-        device = worker_device(rank, use_gpu=True)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-        value = fn(device, *args)
-        dist.destroy_process_group()
-        q.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - the test raises it
-        q.put((rank, False, traceback.format_exc()))
+def _on_device(fn, *args):
+    return fn(torch.device("cuda", torch.cuda.current_device()), *args)
 
 
 def _gpu_losses(device, steps: int) -> dict:
