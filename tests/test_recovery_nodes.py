@@ -9,8 +9,15 @@ when a node returns its new workers fetch their shards from the other node); wit
 host-local layout it cannot (a replica group lived on the lost node) and falls back to the
 storage checkpoint, saying so. Acceptance 4: the elastic job continues at M=1 without
 resharding when a node goes, and grows back to M=2 when it returns, its replicas identical
-after the first sync."""
+after the first sync.
 
+Placement follows the layout (issue 14, acceptance 4) on the same cluster, whose worker nodes are
+packed (each holds exactly two workers): a layout the cluster cannot give is refused before any
+worker starts (first: every node is still there); the host-local job puts each replica group on
+one node, the inter-host (elastic) job each sharding group on a node of its own; both record
+`grid.nodes=2` and `grid/ranks.json` as their first attempt starts."""
+
+import json
 import math
 
 import pytest
@@ -50,10 +57,63 @@ def _worker_node(c):
     return c.add_node(num_cpus=1, resources={"worker_slot": 2})
 
 
+def _ranks(cfg, run_id: str) -> list[dict]:
+    path = mlflow_client(cfg).download_artifacts(run_id, "grid/ranks.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _first_attempt_placement(cfg, st: dict) -> dict[int, str]:
+    """The first attempt's node per rank, checked against the run's `grid.nodes` and `grid/ranks.json`
+    (both recorded as the attempt started, while it trains)."""
+    first = {int(rank): w for rank, w in st["attempts"][0]["workers"].items()}
+    client = mlflow_client(cfg)
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert run.data.params["grid.nodes"] == "2"
+    assert {(x["rank"], x["node"], x["pid"]) for x in _ranks(cfg, run.info.run_id) if x["attempt"] == 0} == \
+        {(k, w["node"], w["pid"]) for k, w in first.items()}
+    return {k: w["node"] for k, w in first.items()}
+
+
+def test_a_layout_the_cluster_cannot_give_is_refused_before_any_worker_starts(cluster, tmp_path):
+    import ray
+
+    from recgrid.launch.ray import run_job
+
+    started = []
+    # four sharding groups that each need a node of their own, on two nodes that can hold workers
+    cfg = small_job(tmp_path, "test-placement-refused", "grid.layout=inter-host", "grid.num_groups=4", WORKER_SLOT)
+    r = run_job(cfg, on_start=started.append)
+    assert r.status == "FAILED" and not started and not r.attempts  # no coordinator, no worker group
+    assert r.error.startswith("GridError: inter-host layout: the M=4 sharding groups need nodes of their own, "
+                              "but this cluster has 2 nodes that can hold workers"), r.error
+    assert all(n.node_id[:12] in r.error for n in cluster["nodes"]) and "worker_slot 2): 2 worker(s)" in r.error
+    assert "lower grid.num_groups to 2 or fewer" in r.error
+    assert ray.available_resources().get("CPU") == 3  # nothing holds a CPU: no worker group was asked for
+    run = mlflow_client(cfg).get_run(r.run_id)
+    assert run.info.status == "FAILED" and "sharding groups need nodes of their own" in run.data.tags["error"]
+    # host-local: a replica group of M=2 needs a node with room for two workers (one fits on each)
+    r = run_job(small_job(tmp_path, "test-placement-refused", "train.resources_per_worker={worker_slot: 1.5}"))
+    assert r.status == "FAILED" and r.error.startswith(
+        "GridError: host-local layout: the cluster's nodes hold 2 of the 4 workers the job needs"), r.error
+    # workers that would take every CPU leave none for Ray Data's read tasks: refused, not a hang
+    # (three sharding groups of one worker, a whole CPU each, one on each of the three nodes)
+    r = run_job(small_job(tmp_path, "test-placement-refused", "grid.world_size=3", "grid.num_groups=3",
+                          "grid.layout=inter-host", "train.cpus_per_worker=1"))
+    assert r.status == "FAILED" and r.error.startswith(
+        "GridError: the T=3 workers would reserve 3 of the cluster's 3 CPUs (train.cpus_per_worker=1), leaving 0 "
+        "CPU free, less than the 0.25 CPU a Ray Data read task reserves"), r.error
+    assert ray.is_initialized()
+
+
 def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):
     cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50", WORKER_SLOT,
                     "train.max_failures=2", "train.checkpoint_every=10")
     job = BackgroundJob(cfg)
+    st = job.wait_for(lambda s: training(s, 0, 1))
+    node = _first_attempt_placement(cfg, st)
+    # host-local replica groups are [0, 1] and [2, 3]: one packed node each, the two nodes distinct
+    assert node[0] == node[1] and node[2] == node[3] and node[0] != node[2]
     step, lost = _lose_a_node(cluster, job, 17)
     r = job.join()
     assert r.status == "FINISHED", r.error
@@ -76,6 +136,10 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
     cfg = small_job(tmp_path, "test-elastic", "grid.layout=inter-host", "grid.min_world_size=2", WORKER_SLOT,
                     "train.resize_check_s=3", "train.max_steps=100000", "train.max_failures=2")
     job = BackgroundJob(cfg)
+    st = job.wait_for(lambda s: training(s, 0, 1))
+    node = _first_attempt_placement(cfg, st)
+    # inter-host: sharding groups [0, 1] and [2, 3], each on a node of its own
+    assert node[0] == node[1] != node[2] == node[3]
     _, lost = _lose_a_node(cluster, job, 12, replace=False)
     # attempt 1 restored and trained a step (its recovery event is complete) before the node returns:
     # the global last step is still attempt 0's, so `training` alone would not wait for the restore
