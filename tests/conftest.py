@@ -7,6 +7,13 @@ import sys
 
 import pytest
 
+from faults import TRAIN_POLL
+
+# every Ray cluster the suite starts inherits this process's environment: Ray Train's controllers
+# of local jobs (recgrid's own clusters, `ray start`) poll as the test clusters' runtime env says
+for _name, _value in TRAIN_POLL.items():
+    os.environ.setdefault(_name, _value)
+
 _EXIT = {"status": 0}
 
 
