@@ -8,12 +8,19 @@ cluster named in its temp directory's `ray_current_cluster` file, which outlives
 cluster that died (then `ray.init` fails with "When connecting to an existing cluster, num_cpus
 and num_gpus must not be provided") and which names a live `ray start` cluster whose resources a
 local job must not assume.
+
+A local cluster keeps Ray 2.60's default, token authentication, but asks for it by name
+(`RAY_AUTH_MODE=token` unless set): Ray then starts it without its WARNING that the mode was
+chosen for you, which every recgrid command would print.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any, Callable
+
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's switch for token authentication: token or disabled
 
 
 class ClusterError(RuntimeError):
@@ -36,6 +43,7 @@ def connect(num_cpus: float | None = None, *, num_gpus: int | None = None, say: 
             say(f"joined Ray cluster at {address}")
             return True
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+        os.environ.setdefault(AUTH_MODE_ENV, "token")  # Ray's default for a new local cluster, said aloud
         ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, **init_kwargs)
     except ConnectionError as e:
         raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {e}; "
