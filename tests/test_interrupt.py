@@ -77,7 +77,10 @@ def test_sigint_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert started.wait(240), "training never showed progress:\n" + "\n".join(lines)
+        deadline = time.monotonic() + 240
+        while not started.wait(1) and proc.poll() is None and time.monotonic() < deadline:
+            pass
+        assert started.is_set(), f"training never showed progress (exit {proc.poll()}):\n" + "\n".join(lines)
         seen = max(int(m.group(1)) for m in map(PROGRESS.match, lines) if m)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)

@@ -9,18 +9,17 @@ cluster that died (then `ray.init` fails with "When connecting to an existing cl
 and num_gpus must not be provided") and which names a live `ray start` cluster whose resources a
 local job must not assume.
 
-A local cluster keeps Ray 2.60's default, token authentication, but asks for it by name
-(`RAY_AUTH_MODE=token` unless set): Ray then starts it without its WARNING that the mode was
-chosen for you, which every recgrid command would print.
+Ray's own driver-side logging is kept to errors (`logging_level`, unless the caller passes one):
+its WARNINGs are about Ray's defaults (Ray 2.60 announces at every start that it turned token
+authentication on), not about the user's job. When stdout is not a terminal, what Ray still
+prints on the driver comes without colour codes (`RAY_COLOR_PREFIX=0`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable
-
-
-AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's switch for token authentication: token or disabled
 
 
 class ClusterError(RuntimeError):
@@ -36,6 +35,9 @@ def connect(num_cpus: float | None = None, *, num_gpus: int | None = None, say: 
 
     if ray.is_initialized():
         return False
+    init_kwargs.setdefault("logging_level", "ERROR")
+    if not sys.stdout.isatty():  # what Ray still prints here (its raylet's warnings) without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = os.environ.get("RAY_ADDRESS")
     try:
         if address:
@@ -43,7 +45,6 @@ def connect(num_cpus: float | None = None, *, num_gpus: int | None = None, say: 
             say(f"joined Ray cluster at {address}")
             return True
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
-        os.environ.setdefault(AUTH_MODE_ENV, "token")  # Ray's default for a new local cluster, said aloud
         ray.init(address="local", num_cpus=cpus, num_gpus=num_gpus, **init_kwargs)
     except ConnectionError as e:
         raise ClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {e}; "

@@ -185,12 +185,11 @@ def connect_ray(config: JobConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
             # submitted with the Ray Job API: the job's own runtime env (working dir) carries the code
-            connect(say=say, log_to_driver=False, logging_level="WARNING")
+            connect(say=say, log_to_driver=False)
         else:
             # from outside the cluster: ship this package with the job; the image must hold the stack
             package = str(Path(__file__).resolve().parents[1])
-            connect(say=say, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=False,
-                    logging_level="WARNING")
+            connect(say=say, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=False)
         return
     T, per_worker = config.grid.world_size, config.train.cpus_per_worker
     # the workers' share, plus room for the driver-side actors and tasks
@@ -200,7 +199,7 @@ def connect_ray(config: JobConfig) -> None:
     # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
     # the workers' lines reach the console through job control (`Console`), not Ray's log forwarding
     connect(num_cpus, num_gpus=None if config.train.use_gpu else 0, say=say, log_to_driver=False,
-            runtime_env={"env_vars": env_vars}, logging_level="WARNING", resources=resources or None)
+            runtime_env={"env_vars": env_vars}, resources=resources or None)
 
 
 def worker_resources(config: JobConfig) -> dict[str, float]:
