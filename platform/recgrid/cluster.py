@@ -8,11 +8,17 @@ cluster named in its temp directory's `ray_current_cluster` file, which outlives
 cluster that died (then `ray.init` fails with "When connecting to an existing cluster, num_cpus
 and num_gpus must not be provided") and which names a live `ray start` cluster whose resources a
 local job must not assume.
+
+Ray's own driver-side logging is kept to errors (`logging_level`, unless the caller passes one):
+its WARNINGs are about Ray's defaults (Ray 2.60 announces at every start that it turned token
+authentication on), not about the user's job. When stdout is not a terminal, what Ray still
+prints on the driver comes without colour codes (`RAY_COLOR_PREFIX=0`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable
 
 
@@ -29,6 +35,9 @@ def connect(num_cpus: float | None = None, *, num_gpus: int | None = None, say: 
 
     if ray.is_initialized():
         return False
+    init_kwargs.setdefault("logging_level", "ERROR")
+    if not sys.stdout.isatty():  # what Ray still prints here (its raylet's warnings) without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = os.environ.get("RAY_ADDRESS")
     try:
         if address:

@@ -319,6 +319,15 @@ class Tracker:
                       file=sys.stderr)
         self._end("FAILED")
 
+    def kill(self, message: str) -> None:
+        """Mark the run KILLED (interrupted), the tag `interrupted` saying where ("interrupted at step N ...")."""
+        if self.run_id is None or self._ended:
+            return
+        try:
+            self.set_tags({"interrupted": message})
+        finally:
+            self._end("KILLED")
+
     def _end(self, status: str) -> None:
         if self.run_id is None or self._ended:
             return

@@ -10,6 +10,18 @@ translates the JobConfig once into what the workers build from (`EngineConfig.fr
 `LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
 `train.worker.train_worker` (or `train_replica` for torchft) as their body. When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
+
+The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
+workers hand their lines (progress, recoveries, failures) to job control and the driver prints
+them (`Console`), unprefixed. A job that fails prints the workers' tracebacks (stderr).
+
+Interrupts (`Interrupts`): Ray Train's fit runs in a thread of its own, so SIGINT and SIGTERM
+reach the driver's handler instead of Ray Train's (which aborts the workers at once). The first
+asks the workers to stop at their next sync step (`JobControl.request_stop(interrupt=True)`);
+they write a checkpoint if the job has checkpoints and skip the final evaluation; the run ends
+KILLED, tagged `interrupted` with the step, and `recgrid train` exits 130. A second signal, or
+workers that have not stopped within `STOP_GRACE_S`, end the job at once (Ray's local cluster
+shut down with its workers).
 """
 
 from __future__ import annotations
@@ -18,7 +30,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +57,26 @@ class JobActors:
         return {**control, **recovery}
 
 
+STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
+CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job was interrupted (SIGINT or SIGTERM); `step` is where it stopped, when known."""
+
+    def __init__(self, why: str, step: int | None = None) -> None:
+        super().__init__(why)
+        self.why, self.step = why, step
+
+    def __str__(self) -> str:
+        return self.why + (f" at step {self.step}" if self.step is not None else "")
+
+
 @dataclass
 class JobResult:
     run_id: str | None
-    status: str  # FINISHED or FAILED
+    status: str  # FINISHED, FAILED or KILLED (interrupted)
     metrics: dict[str, float]
     error: str | None = None
     seconds: float = 0.0
@@ -62,12 +92,14 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"recgrid train: invalid job config: {e}", file=sys.stderr)
         return 2
     result = run_job(config)
-    return 0 if result.status == "FINISHED" else 1
+    return {"FINISHED": 0, "KILLED": EXIT_INTERRUPTED}.get(result.status, 1)
 
 
 def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None = None,
             summary: bool = True) -> JobResult:
-    """Run one training job end to end; its MLflow run ends FINISHED or FAILED with the error.
+    """Run one training job end to end; its MLflow run ends FINISHED, FAILED with the error, or
+    KILLED when SIGINT or SIGTERM interrupted it (`Interrupts`; the result's error then starts
+    with "KeyboardInterrupt").
     With `parent_run_id` the run is a child of that run (one configuration of `recgrid compare`);
     `summary=False` leaves the end-of-job table unprinted (`compare` prints one line per job).
 
@@ -87,13 +119,22 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
         f"at {tracker.display_uri}")
     status: dict[str, Any] = {}
     try:
-        ensure_data(config)
-        connect_ray(config)
-        status = fit_on_ray(config, tracker, on_start)
+        with Interrupts() as interrupts:
+            ensure_data(config)
+            connect_ray(config)
+            status = fit_on_ray(config, tracker, on_start, interrupts)
+    except Interrupted as e:
+        message = f"interrupted at step {e.step}" if e.step is not None else "interrupted before training"
+        tracker.kill(f"{message} ({e.why})")
+        say(f"KILLED: {message} ({e.why}); MLflow run {tracker.run_id} marked KILLED")
+        return JobResult(tracker.run_id, "KILLED", {}, f"KeyboardInterrupt: {message}", time.perf_counter() - t0,
+                         tracker.ui_command(), status.get("events", []), status.get("attempts", []))
     except BaseException as e:  # noqa: BLE001 - the run records every failure, then it propagates as a status
         cause = _root_cause(e)
         tracker.fail(cause)  # the user's error, not Ray's wrapper around it
         error = f"{type(cause).__name__}: {cause}".splitlines()[0][:2000]
+        if cause is not e and _is_train_failure(e):  # the workers' tracebacks, as Ray Train gathered them
+            print(str(e), file=sys.stderr, flush=True)
         say(f"FAILED: {error}")
         return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command(),
                          status.get("events", []), status.get("attempts", []))
@@ -105,11 +146,13 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     if not summary:
         return result
     g = config.build_grid()
-    heading = [("run", f"{config.run_name} ({result.run_id})"), ("status", result.status),
+    heading = [("run", f"{config.run_name} ({result.run_id}) {result.status} in {result.seconds:,.1f} s"),
                ("grid", f"T={g.world_size} M={g.num_groups} L={g.group_size} K={config.grid.sync_every} "
-                        f"c={config.moment_scale:g} layout={g.layout}"),
-               ("wall time s", f"{result.seconds:,.1f}")]
-    print(summary_table(heading, metrics, result.events, result.ui_command), flush=True)
+                        f"c={config.moment_scale:g} layout={g.layout}")]
+    # the group count and recoveries only when they say something: an elastic job's change, a recovery
+    skip = (() if metrics.get("grid/num_groups", g.num_groups) != g.num_groups else ("grid/num_groups",)) \
+        + (() if metrics.get("recovery/count") else ("recovery/count",))
+    print(summary_table(heading, metrics, result.events, result.ui_command, skip), flush=True)
     return result
 
 
@@ -142,11 +185,11 @@ def connect_ray(config: JobConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
             # submitted with the Ray Job API: the job's own runtime env (working dir) carries the code
-            connect(say=say, log_to_driver=True)
+            connect(say=say, log_to_driver=False)
         else:
             # from outside the cluster: ship this package with the job; the image must hold the stack
             package = str(Path(__file__).resolve().parents[1])
-            connect(say=say, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=True)
+            connect(say=say, runtime_env={"py_modules": [package], "env_vars": env_vars}, log_to_driver=False)
         return
     T, per_worker = config.grid.world_size, config.train.cpus_per_worker
     # the workers' share, plus room for the driver-side actors and tasks
@@ -154,8 +197,9 @@ def connect_ray(config: JobConfig) -> None:
     # the one node offers the workers' custom resources (train.resources_per_worker) too
     resources = {name: T * amount for name, amount in config.train.resources_per_worker.items()}
     # the dashboard stays on: Ray Train's placement-group cleaner asks the state API it serves
-    connect(num_cpus, num_gpus=None if config.train.use_gpu else 0, say=say, log_to_driver=True,
-            runtime_env={"env_vars": env_vars}, logging_level="WARNING", resources=resources or None)
+    # the workers' lines reach the console through job control (`Console`), not Ray's log forwarding
+    connect(num_cpus, num_gpus=None if config.train.use_gpu else 0, say=say, log_to_driver=False,
+            runtime_env={"env_vars": env_vars}, resources=resources or None)
 
 
 def worker_resources(config: JobConfig) -> dict[str, float]:
@@ -225,9 +269,10 @@ def worker_gpu_memory(timeout_s: float = 120.0) -> int:
     return int(ray.get(task))
 
 
-def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[str, Any]:
+def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
+               interrupts: "Interrupts | None" = None) -> dict[str, Any]:
     """Plan, count rows, start the job's actors and Ray Train; returns their record
-    of attempts and recovery events."""
+    of attempts and recovery events. Raises `Interrupted` when `interrupts` stopped the job."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -235,7 +280,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
 
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record, sharding_summary
-    from recgrid.train.control import FailureClock, JobControl
+    from recgrid.train.control import STOP_NOW, FailureClock, JobControl
     from recgrid.train.placement import PLACEMENT_STRATEGY
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
@@ -293,16 +338,128 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None) -> dict[st
         + (", torchft: survivors keep running, a failed replica heals from a live peer"
            if t.fault_tolerance == "torchft" else ""))
     status: dict[str, Any] = {}
+    console = Console(actors.control)
+    at_once = False
     try:
-        trainer.fit()
+        _fit_watched(trainer, console, interrupts or Interrupts(), actors.control)
+    except Interrupted:
+        at_once = True
+        raise
     finally:
+        console.pump()
         try:
-            status = actors.status()
-            ray.get(actors.recovery.release.remote(), timeout=60)  # the holders delete their shard files
+            if at_once:  # the workers were not waited for: Ray's local cluster goes, with them
+                _end_workers()
+            else:
+                status = actors.status()
+                ray.get(actors.recovery.release.remote(), timeout=60)  # the holders delete their shard files
         except Exception:  # noqa: BLE001 - the job's own error matters more
             pass
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
+    if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
+        raise Interrupted((interrupts.why if interrupts else None) or "stopped", status["final"]["step"])
     return status
+
+
+def _fit_watched(trainer: Any, console: "Console", interrupts: "Interrupts", control: Any) -> None:
+    """`trainer.fit()` in a thread of its own (Ray Train then leaves SIGINT to this process), while
+    this thread prints the workers' lines and answers interrupts: the first asks the workers to stop
+    at their next sync step; a second, or `STOP_GRACE_S` without them stopping, raises `Interrupted`."""
+    box: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+
+    thread = threading.Thread(target=fit, name="recgrid-fit", daemon=True)
+    interrupts.install().armed = True
+    thread.start()
+    asked = False
+    try:
+        while thread.is_alive():
+            thread.join(CONSOLE_POLL_S)
+            console.pump()
+            if interrupts.first_at is not None and not asked:  # the handler only notes the signal
+                asked = True
+                control.request_stop.remote(interrupt=True)
+                say(f"{interrupts.why}: stopping the workers at their next sync step (again to stop at once)")
+            if interrupts.first_at is not None and time.monotonic() - interrupts.first_at > STOP_GRACE_S:
+                raise Interrupted(f"{interrupts.why}; the workers had not stopped after {STOP_GRACE_S:g} s",
+                                  console.last_step)
+    except KeyboardInterrupt as e:  # the second signal
+        raise Interrupted(interrupts.why or "KeyboardInterrupt", console.last_step) from e
+    finally:
+        interrupts.armed = False
+    if "error" in box:
+        raise box["error"]
+
+
+def _end_workers() -> None:
+    """End every worker of the job now: recgrid's own local cluster is shut down (its raylet takes
+    the workers with it); on a cluster that was joined, leaving it ends the driver's job and the
+    Ray Train controller and workers it owns."""
+    import ray
+
+    ray.shutdown()
+
+
+class Console:
+    """Prints, on the driver, the lines the workers gave job control (`JobControl.say`)."""
+
+    def __init__(self, control: Any) -> None:
+        self.control, self.printed, self.last_step = control, 0, None
+        self.pending: Any = None
+
+    def pump(self, timeout: float = 5.0) -> None:
+        import ray
+
+        try:
+            lines, self.last_step = ray.get(self.control.console.remote(self.printed), timeout=timeout)
+        except Exception:  # noqa: BLE001 - the console never stops a job
+            return
+        for line in lines:
+            print(line, flush=True)
+        self.printed += len(lines)
+
+
+class Interrupts:
+    """SIGINT and SIGTERM while a job runs (on the main thread; elsewhere it does nothing). Before
+    training a signal raises `Interrupted`; while it trains (`armed`), the first is only noted
+    (`first_at`, `why`: `_fit_watched` acts on it) and a second raises `Interrupted`."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.first_at: float | None = None
+        self.why: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "Interrupts":
+        return self.install()
+
+    def install(self) -> "Interrupts":
+        """(Re)take the signals: `ray.init` sets a SIGTERM handler of its own. What was there is
+        put back on exit (Ray's, which shuts its local cluster down)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) != self._handle:
+                    self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        why = signal.Signals(signum).name
+        if self.first_at is None and self.armed:
+            self.first_at, self.why = time.monotonic(), why
+            return
+        self.why = self.why or why
+        raise Interrupted(self.why)
 
 
 def torch_config(config: JobConfig) -> Any:
@@ -319,6 +476,13 @@ def torch_config(config: JobConfig) -> Any:
 
         return TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend=backend)
     return TorchConfig(backend=backend)
+
+
+def _is_train_failure(e: BaseException) -> bool:
+    """Whether `e` is Ray Train's report of a failed training run (its text holds the workers' tracebacks)."""
+    from ray.train import TrainingFailedError
+
+    return isinstance(e, TrainingFailedError)
 
 
 def _root_cause(e: BaseException) -> BaseException:

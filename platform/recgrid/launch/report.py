@@ -37,22 +37,17 @@ def machine_info() -> dict:
 
 
 # ---- a job's progress and summary ---------------------------------------------------------------------
-# what the summary table shows, in order: (metric, label, format)
+# what the summary table shows, in order: (label, ((metric, format), ...)); related metrics share a row
 SUMMARY = (
-    ("eval/ne", "eval NE", "{:.4f}"),
-    ("eval/auc", "eval AUC", "{:.4f}"),
-    ("train/ne", "train NE (window)", "{:.4f}"),
-    ("train/loss", "train loss", "{:.4f}"),
-    ("train/qps_median", "QPS (global, median of intervals)", "{:,.0f}"),
-    ("train/step_time_s_median", "step time s (median of intervals)", "{:.4f}"),
-    ("memory/peak_mb_max", "peak memory MiB (max worker)", "{:,.0f}"),
-    ("memory/peak_mb_mean", "peak memory MiB (mean)", "{:,.0f}"),
-    ("imbalance/lookup_max_over_mean_median", "lookup imbalance max/mean (median)", "{:.3f}"),
-    ("sync/count", "replica syncs", "{:.0f}"),
-    ("sync/seconds_total", "replica sync s (total)", "{:.3f}"),
-    ("train/examples_total", "examples trained", "{:,.0f}"),
-    ("grid/num_groups", "sharding groups at the end", "{:.0f}"),
-    ("recovery/count", "recoveries", "{:.0f}"),
+    ("eval NE | AUC", (("eval/ne", "{:.4f}"), ("eval/auc", "{:.4f}"))),
+    ("train NE (window) | loss", (("train/ne", "{:.4f}"), ("train/loss", "{:.4f}"))),
+    ("QPS | step time s (medians)", (("train/qps_median", "{:,.0f}"), ("train/step_time_s_median", "{:.4f}"))),
+    ("peak memory MiB (max | mean)", (("memory/peak_mb_max", "{:,.0f}"), ("memory/peak_mb_mean", "{:,.0f}"))),
+    ("lookup imbalance (median max/mean)", (("imbalance/lookup_max_over_mean_median", "{:.3f}"),)),
+    ("replica syncs | seconds", (("sync/count", "{:.0f}"), ("sync/seconds_total", "{:.3f}"))),
+    ("examples trained", (("train/examples_total", "{:,.0f}"),)),
+    ("sharding groups at the end", (("grid/num_groups", "{:.0f}"),)),
+    ("recoveries", (("recovery/count", "{:.0f}"),)),
 )
 
 
@@ -61,11 +56,14 @@ def say(msg: str) -> None:
 
 
 def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], events: list[dict],
-                  ui_command: str) -> str:
-    """The driver's end-of-job table: `heading` rows, the SUMMARY metrics the run has, and one
-    line per recovery event."""
+                  ui_command: str, skip: tuple[str, ...] = ()) -> str:
+    """The driver's end-of-job table: `heading` rows, the SUMMARY metrics the run has (a row whose
+    first metric is in `skip` is left out: nothing to say), and one line per recovery event."""
     rows = list(heading)
-    rows += [(label, fmt.format(metrics[key])) for key, label, fmt in SUMMARY if key in metrics]
+    for label, fields in SUMMARY:
+        values = [fmt.format(metrics[key]) for key, fmt in fields if key in metrics]
+        if values and fields[0][0] not in skip:
+            rows.append((label, " | ".join(values)))
     for n, e in enumerate(events, 1):
         lost = e.get("steps_lost")
         secs = e.get("seconds")
@@ -75,9 +73,10 @@ def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], eve
                      + f", T={e['world_size']} M={e['num_groups']}"
                      + (f" ({e['detail']})" if e.get("detail") else "")))
     width = max(len(k) for k, _ in rows)
-    lines = ["", "recgrid job summary", "-" * (width + 40)]
+    title = " recgrid job summary "
+    lines = [f"{'-' * 3}{title}{'-' * (width + 37 - len(title))}"]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
-    lines += ["-" * (width + 40), f"open the MLflow UI on these runs:  {ui_command}", ""]
+    lines += ["-" * (width + 40), f"open the MLflow UI on these runs:  {ui_command}"]
     return "\n".join(lines)
 
 

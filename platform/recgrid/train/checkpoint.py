@@ -92,9 +92,10 @@ class Checkpointer:
     before_save: Callable[[int], None] | None = None
     after_save: Callable[[int, str], None] | None = None
 
-    def maybe_save(self, step: int) -> str | None:
-        """Write a checkpoint if `step` is one of the job's checkpoint steps."""
-        if not self.every or step % self.every or self.trainer is None:
+    def maybe_save(self, step: int, force: bool = False) -> str | None:
+        """Write a checkpoint if `step` is one of the job's checkpoint steps (`force`: any sync
+        step of a job with checkpoints, e.g. where an interrupt stopped it)."""
+        if not self.every or (step % self.every and not force) or self.trainer is None:
             return None
         with self.trainer.metrics.timer.phase("checkpoint"):
             if self.before_save is not None:

@@ -8,7 +8,12 @@ events):
   workers have all registered, `train.placement.record_ranks`), and when the controller first saw the failure that led to
   it (`FailureClock`, a Ray Train callback in the controller);
 - the stop flag: `request_stop()` asks the job to end at its next logging interval, as if it
-  had reached max_steps (the workers agree on it through their trainer's replica component);
+  had reached max_steps; `request_stop(interrupt=True)` (the driver's Ctrl-C or SIGTERM) at its
+  next stop check, a few steps away (`train.trainer`), without the final evaluation. The
+  workers agree on it through their trainer's replica component; rank 0 reads it without
+  waiting (`StopPoll`) and tells where the job ended (`finished`);
+- the console: the lines the workers have for the user (progress, recoveries, failures), which
+  the driver prints (`say`, `console`): Ray's own forwarding of worker output stays off;
 - heartbeats: the newest step any attempt finished, sent by the worker that logs, throttled to
   one call per `HEARTBEAT_S` (and every logging step), never one per step;
 - MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`), and
@@ -23,6 +28,9 @@ import time
 from typing import Any
 
 HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
+# the stop codes the workers agree on (`Trainer.fit`, `FitHooks.stop_requested`): 0 trains on
+STOP_FINISH = 1  # end at the next logging interval, as if max_steps were reached (final evaluation included)
+STOP_NOW = 2  # an interrupt: end at the next stop check, no evaluation
 
 
 class JobControlImpl:
@@ -34,7 +42,9 @@ class JobControlImpl:
         self.failure_time: float | None = None  # when the controller first saw the current failure
         self.last_step = 0  # newest step any attempt finished (the logging worker's heartbeat)
         self.logged_upto = -1  # newest step whose metrics reached the run
-        self.stop = False  # a graceful stop was asked for
+        self.stop = 0  # a stop was asked for: STOP_FINISH (graceful) or STOP_NOW (an interrupt)
+        self.final: dict[str, Any] | None = None  # where the job's workers ended: step, interrupted
+        self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
 
     def begin_attempt(self, world_size: int) -> int:
@@ -53,7 +63,7 @@ class JobControlImpl:
             try:
                 record_ranks(self.run_id, self.tracking_uri, self.attempts)
             except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
-                print(f"recgrid: could not record {len(workers)} ranks of attempt {attempt} in the run: {e}", flush=True)
+                self.say(f"[recgrid] could not record {len(workers)} ranks of attempt {attempt} in the run: {e}")
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
@@ -66,12 +76,27 @@ class JobControlImpl:
     def heartbeat(self, step: int) -> None:
         self.last_step = step
 
-    def request_stop(self) -> None:
-        """Ask the job to end at its next logging interval, as if it had reached max_steps."""
-        self.stop = True
+    def request_stop(self, interrupt: bool = False) -> None:
+        """Ask the job to end at its next logging interval, as if it had reached max_steps; with
+        `interrupt`, at its next stop check, without the final evaluation."""
+        self.stop = max(self.stop, STOP_NOW if interrupt else STOP_FINISH)
 
-    def stop_requested(self) -> bool:
+    def stop_requested(self) -> int:
+        """0, STOP_FINISH or STOP_NOW (`train.trainer`'s stop codes)."""
         return self.stop
+
+    def finished(self, step: int, interrupted: bool) -> None:
+        """The logging worker's last word: the step its attempt ended at."""
+        self.final = {"step": step, "interrupted": interrupted}
+        self.last_step = max(self.last_step, step)
+
+    def say(self, line: str) -> None:
+        """A line for the user's console (the driver prints it: `console`)."""
+        self.lines.append(line)
+
+    def console(self, since: int) -> tuple[list[str], int]:
+        """The console lines from number `since` on, and the newest step any attempt finished."""
+        return self.lines[since:], self.last_step
 
     def claim_step(self, name: str, step: int) -> bool:
         """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
@@ -86,7 +111,7 @@ class JobControlImpl:
 
     def status(self) -> dict[str, Any]:
         return {"attempts": self.attempts, "last_step": self.last_step, "logged_upto": self.logged_upto,
-                "failure_time": self.failure_time, "stop": self.stop}
+                "failure_time": self.failure_time, "stop": self.stop, "final": self.final}
 
 
 class LazyActor:
@@ -115,7 +140,8 @@ JobControl = LazyActor(JobControlImpl)
 
 class FailureClock:
     """A Ray Train callback (runs in the controller) that tells job control when a worker failure
-    was first seen: the start of `recovery/seconds`."""
+    was first seen (the start of `recovery/seconds`) and what failed, for the user's console (the
+    whole traceback is in the worker's log and, when the job fails, printed by the driver)."""
 
     def __new__(cls, control: Any) -> Any:
         from ray.train import UserCallback
@@ -126,6 +152,8 @@ class FailureClock:
 
             def after_exception(self, run_context: Any, worker_exceptions: dict) -> None:
                 self.control.failure_detected.remote(time.time())
+                for rank, error in sorted(worker_exceptions.items())[:3]:
+                    self.control.say.remote(f"[recgrid] worker rank {rank} failed: {error_line(error)}")
 
         return _Clock(control)
 
@@ -145,3 +173,28 @@ class Heartbeat:
     def beat(self, step: int) -> None:
         self._last = time.monotonic()
         self.control.heartbeat.remote(step)
+
+
+class StopPoll:
+    """Rank 0's view of the job's stop flag without waiting on job control: each call returns the
+    newest answer that has arrived and, once it has, asks again (`FitHooks.stop_requested`)."""
+
+    def __init__(self, control: Any) -> None:
+        self.control, self.value = control, 0
+        self.pending = control.stop_requested.remote()
+
+    def __call__(self, trainer: Any = None) -> int:
+        import ray
+
+        ready, _ = ray.wait([self.pending], timeout=0)
+        if ready:
+            self.value = ray.get(ready[0])
+            self.pending = self.control.stop_requested.remote()
+        return self.value
+
+
+def error_line(error: BaseException) -> str:
+    """An error's last line that names it ("ValueError: ..."), out of Ray's wrappers and tracebacks."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    named = [line for line in lines if ": " in line and line.split(":", 1)[0].replace(".", "").isidentifier()]
+    return (named[-1] if named else lines[-1] if lines else type(error).__name__)[:300]

@@ -47,7 +47,6 @@ Who logs, evaluates and records the replacements is the worker's business
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -122,6 +121,7 @@ class ReplicaListener(Protocol):
     def quorum(self, live: int, rank: int) -> None: ...  # after every quorum: live replicas, this one's rank
     def finished_elsewhere(self) -> bool: ...  # a newcomer with nothing left to train
     def committed(self, step: int, live: int, synced: bool) -> None: ...  # after a committed round
+    def say(self, msg: str) -> None: ...  # a line for the user's console
 
 
 class TorchftReplicas(Replicas):
@@ -175,8 +175,8 @@ class TorchftReplicas(Replicas):
         if not committed:
             err = self.manager.errored()
             why = str(getattr(err, "original_exception", err) or "the quorum did not agree").splitlines()[0][:200]
-            print(f"[recgrid] replica {self.heal.replica}: the round for step {step} did not commit ({why}); "
-                  f"the next round takes the next batch", file=sys.__stdout__, flush=True)
+            self.listener.say(f"replica {self.heal.replica}: the round for step {step} did not commit ({why}); "
+                              f"the next round takes the next batch")
         return committed
 
     def sync(self, step: int) -> float:
@@ -205,7 +205,7 @@ class TorchftReplicas(Replicas):
             values["train/examples_total"] = float(self.trainer.state.examples)  # the job's, not a sum of replicas'
         return values
 
-    def agree_stop(self, mine: bool) -> bool:
+    def agree_stop(self, mine: int) -> int:
         import torch
         from torch.distributed import ReduceOp
 
@@ -213,7 +213,7 @@ class TorchftReplicas(Replicas):
         stop = torch.tensor([float(mine)], dtype=torch.float64, device=self.trainer.device)
         if (self.live or 1) > 1:
             self.manager.allreduce(stop, reduce_op=ReduceOp.MAX).wait()
-        return float(stop[0]) > 0
+        return int(stop[0])
 
     def evaluates(self) -> bool:
         """The live replica of quorum rank 0 evaluates (every eval row, on its own)."""

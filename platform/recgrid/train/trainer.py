@@ -68,7 +68,10 @@ from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
 from recgrid.engine.sync import ReplicaSync, SyncState, embedding_weights, optimizer_states
 from recgrid.engine.towers import TowerConfig
+from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
+
+STOP_CHECK_MIN_STEPS = 5  # the fewest steps between two stop checks (`stop_check_steps`)
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,13 @@ class Snapshot:
         return cls(list(d["shard"]), dict(d["dense"]), json.loads(d["progress"]), d["window"])
 
 
+def stop_check_steps(sync_every: int) -> int:
+    """Steps between two stop checks (besides every logging step): the first multiple of K from
+    STOP_CHECK_MIN_STEPS on, so an interrupted job stops where the replicas were just synced, and
+    a check (one small collective) is never paid every step."""
+    return sync_every * max(1, -(-STOP_CHECK_MIN_STEPS // sync_every))
+
+
 @dataclass
 class FitHooks:
     """What the caller plugs into `Trainer.fit` (all run on every worker).
@@ -220,9 +230,12 @@ class FitHooks:
         a torchft round that did not commit): row audits.
     after_step: called with the step after every committed step, in order; each owns its
         cadence (`Snapshotter.maybe_snapshot`, `Checkpointer.maybe_save`, heartbeats).
-    stop_requested(trainer): this worker's view of a graceful-stop request, read at every logging
-        interval; the trainer's replica component agrees on it (`Replicas.agree_stop`), and an
-        agreed stop ends training there, as if max_steps were reached.
+    stop_requested(trainer): this worker's view of a stop request (`train.control`'s codes: 0
+        none, STOP_FINISH or True, STOP_NOW), read at every stop check (every logging interval,
+        and every `stop_check_steps(K)` steps); the trainer's replica component agrees on it
+        (`Replicas.agree_stop`, the largest code wins). STOP_FINISH ends training at a logging
+        interval, as if max_steps were reached; STOP_NOW (an interrupt) at the first check at a
+        sync step (a multiple of K), with no evaluation, and sets `Trainer.interrupted`.
     """
 
     on_log: Callable[[dict[str, float], int], None] | None = None
@@ -269,11 +282,11 @@ class Replicas:
     def reduce(self, **states: Any) -> dict[str, float]:
         return reduce_metrics(self.trainer.groups.global_pg, **states)
 
-    def agree_stop(self, mine: bool) -> bool:
-        """Global rank 0's view, told to every worker."""
-        box = [mine if self.trainer.rank == 0 else None]
+    def agree_stop(self, mine: int) -> int:
+        """Global rank 0's stop code, told to every worker."""
+        box = [int(mine) if self.trainer.rank == 0 else None]
         dist.broadcast_object_list(box, group=self.trainer.groups.global_pg, group_src=0)
-        return bool(box[0])
+        return int(box[0])
 
     def evaluates(self) -> bool:
         """Whether this worker takes part in evaluations (every worker of the grid does)."""
@@ -339,6 +352,7 @@ class Trainer:
         self._lookup_before = 0.0  # the interval's lookup seconds before the current step
         self.replicas: Replicas = Replicas(self)  # torchft's replaces it (train.ft)
         self._interrupted: str | None = None  # why a step generator stopped early: "reload" (a heal) or "end"
+        self.interrupted = False  # the last fit ended at an interrupt (STOP_NOW): no final evaluation
         self._round_open = False  # a round was started and interrupted by its heal: the next batch continues it
 
     @classmethod
@@ -532,7 +546,9 @@ class Trainer:
                 st.evaluated_at = st.step
 
         self.metrics.reset_interval()
-        stop = False
+        self.interrupted = False
+        check_every = stop_check_steps(self.config.sync_every)
+        stop = 0
         while st.step < loop.max_steps and not stop:
             steps_left, batches = data.segment_batches(st.cursor)
             start = st.cursor.steps
@@ -547,15 +563,22 @@ class Trainer:
                     continue
                 for after in hooks.after_step:
                     after(st.step)
-                if st.step % loop.log_every == 0 or st.step == loop.max_steps:
+                logs = st.step % loop.log_every == 0 or st.step == loop.max_steps
+                if logs:
                     values = self.replicas.reduce(train=self.metrics)
                     values.update(self.sync_metrics())
                     values.update(self.exchange.metrics(self.groups.global_pg, self.device))
                     self.metrics.reset_interval()
                     log(values)
-                    mine = hooks.stop_requested is not None and hooks.stop_requested(self)
-                    stop = self.replicas.agree_stop(mine)
-                if loop.eval_every and st.step % loop.eval_every == 0:
+                if logs or st.step % check_every == 0:
+                    mine = hooks.stop_requested(self) if hooks.stop_requested is not None else 0
+                    stop = self.replicas.agree_stop(int(mine))
+                    if stop == STOP_NOW and st.step % self.config.sync_every:
+                        stop = 0  # an interrupt ends where the replicas were just synced (a checkpoint may follow)
+                    elif stop != STOP_NOW and not logs:
+                        stop = 0  # a graceful stop waits for a logging step
+                    self.interrupted = stop == STOP_NOW
+                if loop.eval_every and st.step % loop.eval_every == 0 and not self.interrupted:
                     run_eval()
                 if stop or st.step >= loop.max_steps:
                     break
@@ -567,7 +590,8 @@ class Trainer:
                 break
             if st.cursor.steps - start == steps_left:
                 data.plan.next_epoch(st.cursor)
-        run_eval()
+        if not self.interrupted:
+            run_eval()
         last["train/epochs"] = float(st.cursor.epoch)
         return last
 

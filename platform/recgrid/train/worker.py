@@ -24,7 +24,6 @@ replica component (`train.ft.TorchftReplicas`); the live replica of quorum rank 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 from recgrid.data.stream import EvalData, TrainData, stats_text
 from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
-from recgrid.train.control import Heartbeat
+from recgrid.train.control import Heartbeat, StopPoll
 from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
 START_WAIT_S = 120  # torchft's first start: how long replicas wait for each other, so the first quorum has all of them
@@ -182,8 +181,14 @@ def train_worker(cfg: dict) -> None:
     after_step = ([report.step] if report else []) + [recovery.maybe_check_replicas, snapshotter.maybe_snapshot,
                                                       checkpointer.maybe_save]
     hooks = FitHooks(on_log=on_log, on_step=rows.on_step if rows else None, after_step=after_step,
-                     stop_requested=(lambda t: ray.get(control.stop_requested.remote())) if rank == 0 else None)
+                     stop_requested=StopPoll(control) if rank == 0 else None)
     trainer.fit(data, job.loop, eval_data, hooks)
+    step = trainer.state.step
+    if trainer.interrupted and checkpointer.every:
+        # interrupted at a sync step (`Trainer.fit`): the replicas agree, so it makes a checkpoint
+        path = checkpointer.maybe_save(step, force=True) if step % checkpointer.every else checkpointer.path_for(step)
+        if report:
+            report.say(f"interrupted: checkpoint at step {step} written to {path}")
     if report and report.tracker is not None:  # Ray Data's execution stats of this worker's streams
         report.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
     trainer.close()
@@ -193,6 +198,8 @@ def train_worker(cfg: dict) -> None:
     if side_pg is not None and rank == 0:
         dist.broadcast_object_list([("done", trainer.state.step)], group=side_pg, group_src=0)
     dist.barrier(group=groups.global_pg)
+    if report:
+        ray.get(control.finished.remote(step, trainer.interrupted))
 
 
 def train_replica(cfg: dict) -> None:
@@ -231,12 +238,13 @@ def train_replica(cfg: dict) -> None:
     data, eval_data = _data(job, replica, replicas, 0, 1, device)
     rows = RowLog(job.row_log, attempt, replica) if job.row_log else None
     hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[report.step],
-                     stop_requested=lambda t: ray.get(control.stop_requested.remote()))
+                     stop_requested=StopPoll(control))
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
     finally:
         manager.shutdown(wait=False)
     report.finish()
+    ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live replica: the same
 
 
 def _wait_for_peers(control: Any, replicas: int) -> None:
@@ -351,8 +359,8 @@ class Reporter:
         self.heartbeat = Heartbeat(control)
 
     def say(self, msg: str) -> None:
-        # to the process's own stdout: Ray Train's print patch would log the line a second time
-        print(f"[recgrid] {msg}", file=sys.__stdout__, flush=True)
+        """A line for the user: the driver prints it (job control's console)."""
+        self.control.say.remote(f"[recgrid] {msg}")
 
     def log_grid(self, num_groups: int, world_size: int, step: int) -> None:
         """`grid/num_groups` and `grid/world_size` at `step` (once per step, restarts included)."""
@@ -427,8 +435,8 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.log_metrics(values, step)
         self.control.mark_logged.remote(step)
-        print(progress_line(values, step, self.job.loop.max_steps, time.perf_counter() - self.started_at),
-              file=sys.__stdout__, flush=True)
+        self.control.say.remote(progress_line(values, step, self.job.loop.max_steps,
+                                              time.perf_counter() - self.started_at))
 
 
 class ReplicaReport:
@@ -470,8 +478,8 @@ class ReplicaReport:
         attempts = ray.get(self.control.status.remote())["attempts"]
         if not any("final_step" in w for a in attempts for w in a["workers"].values()):
             return False
-        print(f"[recgrid] replica {self.replica}: the other replicas have finished the job; nothing to train",
-              file=sys.__stdout__, flush=True)
+        self.control.say.remote(f"[recgrid] replica {self.replica}: the other replicas have finished the job; "
+                                f"nothing to train")
         return True
 
     def committed(self, step: int, live: int, synced: bool) -> None:
@@ -486,6 +494,9 @@ class ReplicaReport:
             self.control.note.remote(self.attempt, self.replica, {f"digest@{step}": kernel_digest(self.trainer),
                                                                   f"live@{step}": live})
             self.synced_live = live
+
+    def say(self, msg: str) -> None:
+        self.control.say.remote(f"[recgrid] {msg}")
 
     # ---- FitHooks -------------------------------------------------------------------------------------
     def step(self, step: int) -> None:
