@@ -59,7 +59,7 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     assert result.status == "FINISHED", result.rows
     parent = client.get_run(result.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-T2-M1,2-K5"
-    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["global_batch"] == "128"
+    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["derived.global_batch"] == "128"
     exp = client.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
@@ -67,7 +67,7 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     assert all(c.info.status == "FINISHED" for c in children)
     assert len(client.search_runs([exp.experiment_id])) == 3  # nothing else
     for c in children:  # the same job but for M (and c = M, which follows it)
-        assert c.data.params["world_size"] == "2" and c.data.params["train.batch_size"] == "64"
+        assert c.data.params["grid.world_size"] == "2" and c.data.params["train.batch_size"] == "64"
         assert c.data.params["data.train"] == parent.data.params["data.train"]
         assert c.data.metrics["train/examples_total"] == STEPS * 2 * 64
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,17 @@ def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, 
                                                       "grid.min_world_size=2"])  # L = 1
     assert not every_count_whole.sidelines_ranks
     assert load_config(None, base[:3] + ["grid.min_world_size=2"]).sidelines_ranks  # auto: planned without them
+
+
+def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
+    """A run's params are the config's keys, each once, plus `config.DERIVED_PARAMS` (named so
+    that no config key has the same name): no `num_groups` beside `grid.num_groups`."""
+    from recgrid.config import DERIVED_PARAMS, load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "jobs/local_demo.yaml", [], check_paths=False)
+    params = cfg.run_params()
+    config_keys = set(cfg.to_flat_dict())
+    assert set(params) - config_keys == {"derived.group_size"} and set(params) >= config_keys
+    assert params["derived.group_size"] == 2 and params["grid.num_groups"] == 2 and params["optim.moment_scale"] == 2.0
+    leaves = {k.rsplit(".", 1)[-1] for k in config_keys}
+    assert all(k.startswith("derived.") and k.rsplit(".", 1)[-1] not in leaves for k in DERIVED_PARAMS)

@@ -5,7 +5,7 @@ below in file order (the last one removes the second node):
 1. a layout the cluster cannot give is refused before any worker starts;
 2. host-local on packed nodes (1 CPU per worker: each node full with one replica group);
 3. the issue's inter-host scenario (0.5 CPU per worker, so one node could hold all four): each
-   sharding group sits on a node of its own, the run records `grid.nodes=2` and
+   sharding group sits on a node of its own, the run records `derived.nodes=2` and
    `grid/ranks.json`, and the job survives losing the second node by restoring its shards from
    the copies of the other sharding group."""
 
@@ -99,7 +99,7 @@ def test_host_local_on_packed_nodes_puts_each_replica_group_on_one_node(cluster,
     node = {int(rank): w["node"] for rank, w in attempt["workers"].items()}
     # host-local replica groups are [0, 1] and [2, 3]: one node each, the two nodes distinct
     assert node[0] == node[1] and node[2] == node[3] and node[0] != node[2]
-    assert mlflow_client(cfg).get_run(r.run_id).data.params["grid.nodes"] == "2"
+    assert mlflow_client(cfg).get_run(r.run_id).data.params["derived.nodes"] == "2"
     assert sorted((e["rank"], e["node"]) for e in _ranks(cfg, r.run_id)) == sorted(node.items())
 
 
@@ -118,7 +118,7 @@ def test_inter_host_places_sharding_groups_apart_and_survives_losing_a_node(clus
     client = mlflow_client(cfg)
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     # recorded as the attempt started, while it trains
-    assert run.data.params["grid.nodes"] == "2"
+    assert run.data.params["derived.nodes"] == "2"
     assert {(x["rank"], x["node"], x["pid"]) for x in _ranks(cfg, run.info.run_id)} == \
         {(k, w["node"], w["pid"]) for k, w in first.items()}
     lost = cluster["node"].node_id
@@ -138,5 +138,5 @@ def test_inter_host_places_sharding_groups_apart_and_survives_losing_a_node(clus
     assert sorted((x["attempt"], x["rank"]) for x in ranks) == [(a, k) for a in range(len(r.attempts)) for k in range(4)]
     assert {x["pid"] for x in ranks if x["attempt"] == 0} == {w["pid"] for w in first.values()}
     assert {(x["rank"], x["node"]) for x in ranks if x["attempt"] == 0} == {(k, w["node"]) for k, w in first.items()}
-    assert client.get_run(r.run_id).data.params["grid.nodes"] == "2"  # the first attempt's
+    assert client.get_run(r.run_id).data.params["derived.nodes"] == "2"  # the first attempt's
 

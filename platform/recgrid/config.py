@@ -425,14 +425,9 @@ class JobConfig:
         return moment_scale_for(self.grid.num_groups, self.optim.moment_scale)
 
     def run_params(self) -> dict[str, Any]:
-        """The MLflow params of a job: every config value, plus T, M, L, K, c and the layout
-        under the names the paper uses."""
-        grid = self.build_grid()
-        return {
-            **self.to_flat_dict(),
-            "world_size": grid.world_size, "num_groups": grid.num_groups, "group_size": grid.group_size,
-            "sync_every": self.grid.sync_every, "moment_scale": self.moment_scale, "layout": grid.layout,
-        }
+        """The MLflow params of a job: every config key once (nulls resolved, as `to_flat_dict`),
+        plus `derived.group_size` (L). What else a run logs is in `DERIVED_PARAMS`."""
+        return {**self.to_flat_dict(), "derived.group_size": self.build_grid().group_size}
 
     @property
     def run_name(self) -> str:
@@ -468,6 +463,20 @@ class JobConfig:
         _check_keys(raw, source)
         sections = {name: SECTIONS[name](**(values or {})) for name, values in raw.items()}
         return cls(**sections, check_paths=check_paths)
+
+
+# Params a run carries that are not config keys (every config key is a param, once, under its
+# `section.field` name): values derived from the config or from where the job ran, each under one
+# name that no config key has.
+DERIVED_PARAMS: dict[str, str] = {
+    "derived.group_size": "L = T / M: workers in one sharding group",
+    "derived.workers_per_node": "workers per node as the grid placed them (attempt 0)",
+    "derived.nodes": "distinct nodes the first complete attempt ran on",
+    "derived.global_batch": "`recgrid compare`'s parent run: T x train.batch_size",
+}
+# prefixes of params that are not config keys either: the stack's versions (`Tracker.log_stack_versions`)
+# and `recgrid compare`'s own options on its parent run
+DERIVED_PARAM_PREFIXES = ("versions.", "compare.")
 
 
 def defaults(*overrides: str) -> JobConfig:

@@ -153,8 +153,7 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
     swept = {"grid.num_groups", "grid.sync_every", "optim.moment_scale", "tracking.run_name"}
     params = {k: v for k, v in base.to_flat_dict().items() if k not in swept}
     params.update({"compare.groups": ",".join(map(str, groups)), "compare.sync_every": ",".join(map(str, syncs)),
-                   "compare.config": str(config_path), "world_size": T,
-                   "global_batch": T * base.train.batch_size})
+                   "compare.config": str(config_path), "derived.global_batch": T * base.train.batch_size})
     tracker = Tracker(base.tracking.experiment, base.tracking.tracking_uri)
     tracker.start(name, params=params, tags={"recgrid.kind": "compare", "launcher": "ray"})
     say(f"compare: {len(variants)} configurations ({', '.join(v.label for v in variants)}) at T={T}, global batch "
