@@ -406,11 +406,14 @@ def runs_view() -> str:
 
 # ---- system metrics ---------------------------------------------------------------------------------
 def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: str | None = None,
-                         sampling_interval_s: float = 10.0) -> Any:
+                         sampling_interval_s: float = 5.0) -> Any:
     """Log MLflow's system metrics of THIS node into `run_id` until the run ends: CPU and memory
     use, disk, network, and GPU utilisation and memory where NVML sees a GPU, as
     `system/<node_id>/<name>` every `sampling_interval_s` (MLflow's own
-    `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread.
+    `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread. MLflow's monitor logs
+    a sample only once its interval has passed and drops the one in progress when stopped, so
+    a node that trains for less than one interval records none: 5 s (MLflow's default is 10)
+    gives a 60-step demo a few points at one small request per node per interval.
 
     The monitor samples the machine it runs on, so call it once per node, in a process that
     lives as long as the training there (e.g. each node's local rank 0 worker); `node_id` names
