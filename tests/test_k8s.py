@@ -264,7 +264,7 @@ def test_postgres_only_from_mlflow_and_metrics_from_monitoring():
 
 # ---- egress ---------------------------------------------------------------------------------------
 METADATA_IP = ipaddress.ip_address("169.254.169.254")  # every cloud's instance metadata (credentials)
-OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # installed into the namespace (README step 0)
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # installed into the namespace (k8s/README.md, step 2)
 
 
 def egress_rules(pod_labels: dict) -> list[dict] | None:

@@ -153,7 +153,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path); a multiple of grid.sync_every, so replicas are identical when written; 0 = none."""
     storage_path: str | None = None
-    """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the repository (or $RECGRID_RUNS_DIR/ray)."""
+    """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
     """A storage checkpoint directory to start from, written by a job with the same model at any M or L (it is resharded); null = start fresh."""
     resize_check_s: float = 60.0
@@ -564,7 +564,7 @@ def _parse_scalar(text: str) -> Any:
 
 def field_docs() -> dict[str, str]:
     """`{"grid.world_size": "T: number of training workers ...", ...}`: each field's docstring,
-    read from this module's source (for the README and `--help`-style listings)."""
+    read from this module's source (for docs/reference.md and `--help`-style listings)."""
     tree = ast.parse(inspect.getsource(inspect.getmodule(JobConfig)))  # type: ignore[arg-type]
     classes = {c.__name__: s for s, c in SECTIONS.items()}
     docs: dict[str, str] = {}
@@ -579,8 +579,8 @@ def field_docs() -> dict[str, str]:
 
 
 def reference_table() -> str:
-    """The README's job config reference, as Markdown: every field's key, default and docstring
-    (the README holds exactly this between its config-table markers; a test checks it)."""
+    """docs/reference.md's job config reference, as Markdown: every field's key, default and docstring
+    (docs/reference.md holds exactly this between its config-table markers; a test checks it)."""
     docs, defaults = field_docs(), field_defaults()
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default in defaults.items():
@@ -674,5 +674,5 @@ def _matches(pattern: str) -> bool:
     return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
 
 
-if __name__ == "__main__":  # python -m recgrid.config: print the README's config reference
+if __name__ == "__main__":  # python -m recgrid.config: print docs/reference.md's config reference
     print(reference_table())
