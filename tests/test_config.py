@@ -202,3 +202,5 @@ def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
     assert params["derived.group_size"] == 2 and params["grid.num_groups"] == 2 and params["optim.moment_scale"] == 2.0
     leaves = {k.rsplit(".", 1)[-1] for k in config_keys}
     assert all(k.startswith("derived.") and k.rsplit(".", 1)[-1] not in leaves for k in DERIVED_PARAMS)
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    assert all(f"| `{k}` |" in reference for k in DERIVED_PARAMS), "docs/reference.md's params table is stale"
