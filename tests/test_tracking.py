@@ -132,6 +132,12 @@ def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -
                                        f"?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}")
     view = json.loads(client.get_experiment(parent.experiment_id).tags[f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"])
     assert {"metrics.`eval/ne`", "metrics.`train/qps_median`", "params.`grid.num_groups`"} <= set(view["selectedColumns"])
+    compare = parent.compare_url([child.run_id, parent.run_id])  # MLflow's compare-runs page, runs as JSON
+    route, query = compare.split("#", 1)[1].split("?", 1)
+    from urllib.parse import parse_qs
+
+    assert route == "/compare-runs" and json.loads(parse_qs(query)["runs"][0]) == [child.run_id, parent.run_id]
+    assert json.loads(parse_qs(query)["experiments"][0]) == [parent.experiment_id]
     hint = parent.ui_hint()  # a local store: start the UI first
     assert hint.startswith("MLflow: run `") and "ui --backend-store-uri" in hint and hint.endswith(parent.ui_url())
     old = client.create_experiment("t-kind-old")  # made by hand, or before recgrid tagged experiments

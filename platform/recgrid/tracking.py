@@ -389,6 +389,16 @@ class Tracker:
         return (f"{self._ui_base()}/#/experiments/{self.experiment_id}/runs"
                 f"?{UI_TRAINING_VIEW}&viewStateShareKey={RUNS_VIEW_KEY}")
 
+    def compare_url(self, run_ids: list[str]) -> str:
+        """MLflow's page that compares `run_ids` (runs of this tracker's experiment) side by side:
+        every param and metric in one table, and the metric curves per run."""
+        import json
+        from urllib.parse import quote
+
+        self._require_run()
+        query = f"runs={quote(json.dumps(list(run_ids)))}&experiments={quote(json.dumps([self.experiment_id]))}"
+        return f"{self._ui_base()}/#/compare-runs?{query}&{UI_TRAINING_VIEW}"
+
     def ui_hint(self) -> str:
         """One line saying where to watch the run: its page, after `mlflow ui` for a local store."""
         if self.served:

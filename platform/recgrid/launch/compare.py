@@ -197,10 +197,11 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
     seconds = time.perf_counter() - t0
     print("\n" + f"recgrid compare: {name} ({tracker.run_id}), {seconds:,.0f} s\n\n{markdown}", flush=True)
     local = not tracker.tracking_uri.startswith(("http://", "https://"))
+    children = [r["run_id"] for r in rows if r["run_id"]]
     print(("open the MLflow UI:  " + tracker.ui_command() + "\n  and then " if local else "in the MLflow UI, open ")
-          + f"{tracker.ui_url(f'artifacts/{ARTIFACT_DIR}/chart.png')}\n  for the chart and tables; its "
-          f"{len(rows)} child runs are listed under the parent {name!r} in experiment {base.tracking.experiment!r}: "
-          f"tick them and press Compare for every metric side by side\n", flush=True)
+          + f"{tracker.ui_url(f'artifacts/{ARTIFACT_DIR}/chart.png')}\n  for the chart and tables, and\n  "
+          f"{tracker.compare_url(children)}\n  for the {len(children)} child runs' params and metrics side by side\n",
+          flush=True)
     return CompareResult(tracker.run_id, "FAILED" if failed else "FINISHED", rows, reference["config"], markdown,
                          seconds)
 
