@@ -107,7 +107,7 @@ def test_m2_job_lands_in_mlflow(two_runs):
 
     from mlflow.tracking import MlflowClient
 
-    from recgrid.config import DERIVED_PARAM_PREFIXES, DERIVED_PARAMS
+    from recgrid.config import DERIVED_PARAM_PREFIXES, DERIVED_PARAMS, defaults
 
     _, m2, _ = two_runs
     assert m2.status == "FINISHED", m2.error
@@ -117,13 +117,13 @@ def test_m2_job_lands_in_mlflow(two_runs):
         client = MlflowClient(M2["server"].url)
         run = client.get_run(m2.run_id)
         sharding_plan = json.loads(Path(client.download_artifacts(m2.run_id, "sharding_plan.json")).read_text())
-        check_m2_run(client, m2, run, sharding_plan, DERIVED_PARAMS, DERIVED_PARAM_PREFIXES)
+        check_m2_run(client, m2, run, sharding_plan, DERIVED_PARAMS, DERIVED_PARAM_PREFIXES, defaults)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes):
+def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defaults):
     assert run.info.status == "FINISHED"
     p = run.data.params
     assert p["grid.num_groups"] == "2" and p["grid.world_size"] == "4" and p["derived.group_size"] == "2"
@@ -131,7 +131,7 @@ def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes):
     assert p["derived.workers_per_node"] == "4" and p["derived.nodes"] == "1"
     assert p["versions.torch"].startswith("2.13") and "versions.ray" in p and "versions.torchrec" in p
     # each param once: a config key, or a documented derived one; the per-table plan is an artifact
-    config_keys = set(_job(Path("/x"), "sqlite:///x.db", 2).to_flat_dict())
+    config_keys = set(defaults().to_flat_dict())
     strays = {k for k in p if k not in config_keys and k not in derived and not k.startswith(derived_prefixes)}
     assert not strays, f"params that are neither config keys nor in config.DERIVED_PARAMS: {sorted(strays)}"
     leaves = [k.rsplit(".", 1)[-1] for k in p if not k.startswith("versions.")]
