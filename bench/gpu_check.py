@@ -45,56 +45,17 @@ LOOPS = ("recgrid", "torchrec_plain", "torchrec_pipeline")
 
 # ---- running on every GPU ----------------------------------------------------------------------------
 def nccl_run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 1200) -> list[Any]:
-    """`fn(device, *args)` on `world_size` spawned processes, rank r on cuda:r of one NCCL group;
-    their results by rank (a failing rank's traceback is raised here)."""
-    import queue
+    """`fn(device, *args)` on `world_size` spawned processes, rank r on cuda:r of one NCCL group
+    (recgrid's local launcher); their results by rank (a failing rank's traceback is raised here)."""
+    from recgrid.launch.local import run_local
 
-    import torch.multiprocessing as mp
-
-    from recgrid.launch.local import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(port, r, world_size, q, fn, args), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        while len(got) < world_size:
-            try:
-                rank, ok, value = q.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(f"no result from ranks {sorted(set(range(world_size)) - set(got))} "
-                                   f"within {timeout_s:.0f}s") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60 if len(got) == world_size else 1)
-            if p.is_alive():
-                p.terminate()
-    return [got[r] for r in range(world_size)]
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    return run_local(_on_device, world_size, fn, *args, timeout_s=timeout_s, threads_per_worker=threads,
+                     device_type="cuda")
 
 
-def _nccl_worker(port: int, rank: int, world_size: int, q: Any, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    try:
-        from recgrid.engine.device import worker_device
-        from recgrid.logs import quiet_libraries
-
-        quiet_libraries()
-        device = worker_device(rank, use_gpu=True)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-        value = fn(device, *args)
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - the parent raises it
-        q.put((rank, False, traceback.format_exc()))
+def _on_device(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(torch.device("cuda", torch.cuda.current_device()), *args)
 
 
 def _groups(T: int) -> int:
@@ -257,15 +218,15 @@ def check_startup_peak_memory(a: argparse.Namespace, T: int) -> dict:
 
 # ---- the device each Ray worker uses ----------------------------------------------------------------
 def _device_report(cfg: dict) -> None:
-    """Ray Train worker body: the device recgrid's workers choose (train/worker.py and train/ft.py
-    call `worker_device(local rank)`), against the device Ray assigned to this worker."""
+    """Ray Train worker body: the device recgrid's workers choose (`train.worker.ray_worker_device`,
+    what both the restart and the torchft worker call), against the device Ray assigned to this worker."""
     import ray.train
     import ray.train.torch
 
-    from recgrid.engine.device import worker_device
+    from recgrid.train.worker import ray_worker_device
 
     ctx = ray.train.get_context()
-    ours = worker_device(ctx.get_local_rank(), use_gpu=True)
+    ours = ray_worker_device(use_gpu=True)
     ray_device = ray.train.torch.get_device()
     row = {"rank": ctx.get_world_rank(), "local_rank": ctx.get_local_rank(), "ours": str(ours),
            "current_device": torch.cuda.current_device(), "ray": str(ray_device),
@@ -305,6 +266,141 @@ def check_device_matches_ray(a: argparse.Namespace, T: int) -> dict:
         ray.shutdown()
     ok = all(v.get("mismatches") == 0 for v in out.values())
     return {"status": "pass" if ok else "fail", **out}
+
+
+# ---- torchft's collectives on the GPU -----------------------------------------------------------------
+def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
+    """One torchft replica per GPU (its own manager, NCCL across replicas, as `train.ft.make_manager`
+    builds them): the component's average of identical fp16 rows and per-replica fp32 values, its
+    stop agreement and its metric reduction, every tensor on the GPU as NCCL needs."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupNCCL
+
+    from recgrid.train.ft import TorchftReplicas
+
+    rank = dist.get_rank()
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=60)
+    manager = Manager(pg=ProcessGroupNCCL(timeout=timeout), load_state_dict=lambda sd: None, state_dict=lambda: {},
+                      min_replica_size=n, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, rank=0,
+                      world_size=1, replica_id=f"gpu_check_{rank}", store_addr="localhost", store_port=store.port,
+                      lighthouse_addr=lighthouse)
+    try:
+        manager.start_quorum()
+        reps = TorchftReplicas(SimpleNamespace(device=device), manager, heal=None, listener=None)
+        reps.live = live = manager.num_participants()
+        g = torch.Generator().manual_seed(0)
+        rows = (torch.rand(1 << 16, generator=g) * 2 - 1).to(torch.float16).to(device)
+        tensors = [rows.clone(), torch.full((8,), float(rank), device=device)]
+        reps._average(tensors)()
+        stop = reps.agree_stop(rank == 0)
+        sums, maxes = torch.ones(3, dtype=torch.float64, device=device), torch.full((2,), float(rank), dtype=torch.float64,
+                                                                                       device=device)
+        reps._reduce_sums(sums, maxes)
+        torch.cuda.synchronize(device)
+        return {"live": live, "fp16_rows_changed": int((tensors[0] != rows).sum()),
+                "fp32_mean": float(tensors[1][0]), "stop": stop, "sums": sums.tolist(), "maxes": maxes.tolist()}
+    finally:
+        manager.shutdown(wait=False)
+
+
+def check_torchft_collectives_on_gpu(a: argparse.Namespace, T: int) -> dict:
+    """torchft's replica average, stop flag and metric sums run on NCCL with GPU tensors; identical fp16 rows stay bit-identical."""
+    from torchft._torchft import LighthouseServer
+
+    n = min(T, 3)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=30_000)
+    try:
+        ranks = nccl_run(ft_probe, n, lighthouse.address(), n)
+    finally:
+        lighthouse.shutdown()
+    mean = sum(range(n)) / n
+    ok = all(r["live"] == n and r["fp16_rows_changed"] == 0 and abs(r["fp32_mean"] - mean) < 1e-6
+             and r["sums"] == [float(n)] * 3 and r["maxes"] == [float(n - 1)] * 2 and (r["stop"] or n == 1)
+             for r in ranks)
+    return {"status": "pass" if ok else "fail", "replicas": n, "per_replica": ranks,
+            "note": "one GPU: a quorum of one (the stop agreement needs no collective there)" if n == 1 else ""}
+
+
+# ---- pinned batches ----------------------------------------------------------------------------------
+def check_batches_pinned(a: argparse.Namespace, T: int) -> dict:
+    """A CUDA worker's batches out of Ray Data are pinned, so the pipeline's non_blocking copies are asynchronous."""
+    import ray
+
+    from recgrid.data.stream import TrainData, scan_inputs
+    from recgrid.data.synth import write_synth
+    from recgrid.data.units import DataCursor, EpochPlan
+    from recgrid.engine.device import pin_batches
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    batch = 8192
+    ray.init(num_cpus=4, logging_level="WARNING", include_dashboard=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_synth(os.path.join(tmp, "train"), 8 * batch, files=1, fmt="parquet", spec=SMALL, seed=1)
+            inputs = scan_inputs(os.path.join(tmp, "train", "*.parquet"), SMALL)
+            out: dict[str, Any] = {}
+            for pin in (pin_batches(device), False):
+                data = TrainData(EpochPlan(inputs, 0, batch, 8 * batch), SMALL, 0, 1, pin=pin)
+                _, batches = data.segment_batches(DataCursor())
+                got = list(batches)
+                pinned = [b.dense_features.is_pinned() and b.sparse_features.values().is_pinned() for b in got]
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()  # the host's time to issue the copies (asynchronous only from pinned memory)
+                moved = [b.to(device, non_blocking=True) for b in got]
+                issue_s = time.perf_counter() - t0
+                torch.cuda.synchronize(device)
+                del moved
+                out["pinned" if pin else "pageable"] = {"batches": len(got), "all_pinned": all(pinned),
+                                                         "none_pinned": not any(pinned), "issue_seconds": issue_s}
+    finally:
+        ray.shutdown()
+    ok = out["pinned"]["all_pinned"] and out["pageable"]["none_pinned"] and out["pinned"]["batches"] == 8
+    return {"status": "pass" if ok else "fail", "batch": batch, **out}
+
+
+# ---- delayed moment sync and snapshots -----------------------------------------------------------------
+def delayed_probe(device: torch.device, steps: int) -> dict:
+    """T GPUs, M=T, K=2, delayed moment sync: a snapshot right after a sync leaves the state
+    average in flight; a second trainer restored from it relaunches the average and lands the
+    same states, bit for bit."""
+    from recgrid.config import defaults
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    T, rank = dist.get_world_size(), dist.get_rank()
+    engine = EngineConfig.from_job(defaults(), spec=SMALL, seed=3, precision="fp32", sync_every=2,
+                                   delayed_moment_sync=True)
+    steps -= steps % 2  # end on a sync
+    batches = list(itertools.islice(random_batches(SMALL, 512, seed=rank), steps))
+    a = Trainer.build(Grid(T, T), engine, device)
+    a.run(iter(batches), steps)
+    t0 = time.perf_counter()
+    snap = a.snapshot()
+    snapshot_s = time.perf_counter() - t0
+    in_flight = a.state.sync.pending is not None and a.state.sync.pending.work is not None
+    a.state.sync.pending.settle()
+    landed = [x.clone() for x in a.state.sync.pending.averaged]
+    b = Trainer.build(Grid(T, T), engine, device)
+    b.load_snapshot(snap, None)
+    b.state.sync.pending.settle()
+    same = all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed))
+    a.close()
+    b.close()
+    return {"in_flight_after_snapshot": in_flight, "relaunched_equal": same, "snapshot_seconds": snapshot_s}
+
+
+def check_snapshot_leaves_delayed_average_in_flight(a: argparse.Namespace, T: int) -> dict:
+    """A snapshot right after a delayed moment sync does not wait for its average; a restore relaunches it exactly."""
+    if T < 2:
+        return {"status": "skip", "why": "needs 2 GPUs for a replica group (M=2)"}
+    ranks = nccl_run(delayed_probe, T, a.steps)
+    ok = all(r["in_flight_after_snapshot"] and r["relaunched_equal"] for r in ranks)
+    return {"status": "pass" if ok else "fail", "T": T, "M": T, "per_rank": ranks}
 
 
 # ---- evaluation precision ---------------------------------------------------------------------------
@@ -464,6 +560,9 @@ CHECKS: list[tuple[str, Callable[[argparse.Namespace, int], dict]]] = [
     ("fp16_untouched_rows_unchanged", check_fp16_untouched_rows_unchanged),
     ("startup_peak_memory", check_startup_peak_memory),
     ("device_matches_ray", check_device_matches_ray),
+    ("torchft_collectives_on_gpu", check_torchft_collectives_on_gpu),
+    ("batches_pinned", check_batches_pinned),
+    ("snapshot_leaves_delayed_average_in_flight", check_snapshot_leaves_delayed_average_in_flight),
     ("eval_bf16_vs_fp32", check_eval_bf16_vs_fp32),
     ("training_qps", check_training_qps),
 ]

@@ -15,9 +15,7 @@ pipeline's losses against the plain loop's at fp32, the CUDA-event phase split, 
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 
 import pytest
 import torch
@@ -106,6 +104,48 @@ def test_cpu_keeps_the_plain_loop_fp32_and_the_host_clock():
     with autocast(cpu, "fp32"):
         assert not torch.is_autocast_enabled("cpu")
     assert pipelined(torch.device("cuda", 0))  # decided by type: no GPU needed to ask
+
+
+def test_a_launcher_assigned_device_is_kept_over_the_local_rank():
+    """Under torchft Ray counts local ranks per replica group of one worker (0 for every worker):
+    the device Ray assigned wins; the local rank only picks where no launcher assigned one."""
+    from recgrid.engine.device import choose_device
+
+    assert choose_device(0, 4, torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert choose_device(0, 8, torch.device("cuda", 5)) == torch.device("cuda", 5)
+    assert choose_device(5, 4) == torch.device("cuda", 1)  # the local launcher: one process per GPU
+    with pytest.raises(RuntimeError, match="assigned cpu, not a CUDA device"):
+        choose_device(0, 4, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        choose_device(0, 0)
+
+
+def test_batches_are_pinned_on_cuda_workers_only():
+    from recgrid.data.stream import batches_of_block, collate_block
+    from recgrid.data.synth import synth_table
+    from recgrid.engine.device import pin_batches
+
+    assert pin_batches(torch.device("cuda", 1)) and not pin_batches(torch.device("cpu"))
+    table = synth_table(SPEC, 64, 0)
+    block = collate_block({n: table.column(n).to_numpy() for n in table.column_names}, SPEC, 32)
+    plain = list(batches_of_block(block, pin=pin_batches(torch.device("cpu"))))
+    assert len(plain) == 2 and not plain[0].dense_features.is_pinned()
+    if CUDA:  # the pinned path: the same batches, page-locked, row ids beside them
+        pinned = list(batches_of_block(block, pin=pin_batches(torch.device("cuda", 0))))
+        for a, b in zip(plain, pinned):
+            for x in (b.dense_features, b.labels, b.sparse_features.values(), b.sparse_features.lengths()):
+                assert x.is_pinned()
+            assert torch.equal(a.dense_features, b.dense_features) and torch.equal(a.row_ids, b.row_ids)
+
+
+def test_evaluation_never_autocasts():
+    import contextlib
+
+    from recgrid.engine.device import autocast
+
+    # decided before torch.autocast is built: no GPU needed to ask
+    assert isinstance(autocast(torch.device("cuda", 0), "bf16", training=False), contextlib.nullcontext)
+    assert isinstance(autocast(torch.device("cuda", 0), "tf32"), contextlib.nullcontext)
 
 
 def test_deferred_timer_nets_inner_phases_out_and_reads_late():
@@ -204,8 +244,21 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
         rec["syncs"] = trainer.state.sync.count
         return rec
 
+    import recgrid.train.trainer as trainer_module
+
+    real, flags = trainer_module.autocast, {True: 0, False: 0}
+
+    def spy(device, precision, training=True):  # a spy, not a mock: it returns the real context
+        flags[training] += 1
+        return real(device, precision, training)
+
+    trainer_module.autocast = spy
     a = Trainer.build(grid, engine, torch.device("cpu"), pipeline=False)
-    plain = fit(a)
+    try:
+        plain = fit(a)
+    finally:
+        trainer_module.autocast = real
+    plain["autocast_training"] = flags
     p = Trainer.build(grid, engine, torch.device("cpu"), pipeline=True)
     snaps: dict = {}
     stopped = fit(p, stop_at=STOP, snaps=snaps)
@@ -265,6 +318,13 @@ def test_cpu_trainer_does_not_construct_the_pipeline(gloo_results):
                                        "forward": "method", "precision": "fp32"}
 
 
+def test_training_forwards_ask_for_autocast_and_evaluation_forwards_do_not(gloo_results):
+    for r in gloo_results:
+        flags, evals = r["fit"]["plain"]["autocast_training"], r["fit"]["plain"]["evals"]
+        assert flags[True] == STEPS  # one training forward per step of the plain loop
+        assert evals and flags[False] >= len(evals)  # every evaluation's forwards: training=False
+
+
 def test_pipelined_loop_counts_steps_rows_and_syncs_as_the_plain_loop(gloo_results):
     for r in (g["fit"] for g in gloo_results):
         plain, stopped, went_on, restored = r["plain"], r["stopped"], r["went_on"], r["restored"]
@@ -310,48 +370,15 @@ def test_run_reads_only_what_it_trains_and_matches_the_plain_loop(gloo_results):
 
 # ---- on CUDA: T=1 with NCCL ----------------------------------------------------------------------
 def _nccl_run(fn, *args, world_size: int = 1):
-    """Run `fn(device, *args)` on `world_size` spawned processes, rank r of an NCCL group on cuda:r.
-    One rank: its value; several: their values by rank."""
-    import torch.multiprocessing as mp
+    """`fn(device, *args)` on `world_size` NCCL ranks, one GPU each (recgrid's local launcher)."""
+    from recgrid.launch.local import run_local
 
-    from recgrid.launch.local import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(port, r, world_size, q, fn, args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(world_size):
-            rank, ok, value = q.get(timeout=900)
-            if not ok:
-                raise AssertionError(f"rank {rank}: {value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    return got[0] if world_size == 1 else [got[r] for r in range(world_size)]
+    got = run_local(_on_device, world_size, fn, *args, device_type="cuda")
+    return got[0] if world_size == 1 else got
 
 
-def _nccl_worker(port, rank, world_size, q, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    try:
-        from recgrid.engine.device import worker_device
-        from recgrid.logs import quiet_libraries
-
-        quiet_libraries()
-        device = worker_device(rank, use_gpu=True)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-        value = fn(device, *args)
-        dist.destroy_process_group()
-        q.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - the test raises it
-        q.put((rank, False, traceback.format_exc()))
+def _on_device(fn, *args):
+    return fn(torch.device("cuda", torch.cuda.current_device()), *args)
 
 
 def _gpu_losses(device, steps: int) -> dict:

@@ -140,8 +140,14 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     grid = Grid(T, 2)
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(10))]
     a = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
-    a.run(iter(batches[:6]), 6)
+    a.run(iter(batches[:6]), 6)  # step 6 is a sync: with delayed moment sync its state average is in flight
     snap, window = a.snapshot(), a.metrics.window_state(a.groups.global_pg)
+    pending = a.state.sync.pending
+    in_flight = pending is not None and pending.work is not None  # the snapshot did not wait for it
+    landed = None
+    if pending is not None:
+        pending.settle()
+        landed = [x.clone() for x in pending.averaged]
     # hand every worker the copy its replica peer took (the other sharding group, same shard);
     # with delayed moment sync the replicas' optimizer states differ between syncs by design,
     # so there a worker takes its own copy
@@ -154,13 +160,17 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     b = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
     b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
+    relaunched_exact = None
+    if landed is not None:  # the restore relaunched the average from its input: the same result, bit for bit
+        b.state.sync.pending.settle()
+        relaunched_exact = all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed))
     dense_exact = all(torch.equal(v, b.dense_state()[k]) for k, v in mine.dense.items())
     after_b = [float(x) for x in b.run(iter(batches[6:]), 10).losses]
     a.close()
     b.close()
     drift = max((x - y).abs().max().item() for x, y in zip(a.shard_tensors(), b.shard_tensors()))
     return {"a": after_a, "b": after_b, "step": b.state.step, "restored_exact": restored_exact,
-            "dense_exact": dense_exact, "drift": drift}
+            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact}
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -169,6 +179,8 @@ def test_restore_from_a_peer_snapshot_continues_identically(delayed):
         assert r["step"] == 10
         assert len(r["a"]) == len(r["b"]) == 4
         assert r["restored_exact"] and r["dense_exact"]  # the peer's copy, bit for bit
+        if delayed:  # taking the snapshot left the delayed average in flight; the restore relaunched it
+            assert r["in_flight"] and r["relaunched_exact"]
         # then the same training: the CPU kernels' float sums are not bit-reproducible run to run
         # (1 ulp), so the continuation is compared as test_engine compares M=1 with plain DMP
         assert max(abs(x - y) for x, y in zip(r["a"], r["b"])) <= 1e-6

@@ -172,3 +172,75 @@ def test_torchft_configs_it_cannot_carry_fail_at_start(tmp_path, overrides, fiel
         _config(tmp_path, *overrides)
     assert str(e.value).startswith(f"{field}:") and words in str(e.value)
     _config(tmp_path, "grid.min_world_size=2")  # a fixed size written out is fine
+
+
+# ---- the replica average itself: three real torchft managers (gloo) in threads, no Ray ---------------
+def _managers_average(n: int, make_tensors) -> list:
+    """`n` torchft managers joined in one quorum by a real lighthouse (each replica a thread with its
+    own TCPStore and gloo process group); each averages `make_tensors(i)` through the component's
+    `_average`. Returns each replica's averaged tensors."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    from recgrid.train.ft import TorchftReplicas
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=10_000)
+    out: list = [None] * n
+    errors: list = []
+
+    def replica(i: int) -> None:
+        manager = None
+        try:
+            store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=lambda sd: None,
+                              state_dict=lambda: {}, min_replica_size=n, use_async_quorum=False,
+                              timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30), rank=0,
+                              world_size=1, replica_id=f"avg_{i}", store_addr="localhost", store_port=store.port,
+                              lighthouse_addr=lighthouse.address())
+            manager.start_quorum()
+            # the component needs only the trainer's device and the live count from the quorum
+            reps = TorchftReplicas(SimpleNamespace(device=torch.device("cpu")), manager, heal=None, listener=None)
+            reps.live = manager.num_participants()
+            tensors = make_tensors(i)
+            reps._average(tensors)()
+            out[i] = tensors
+        except BaseException as e:  # noqa: BLE001 - raised below, with the replica named
+            errors.append((i, e))
+        finally:
+            if manager is not None:
+                manager.shutdown(wait=False)
+
+    threads = [threading.Thread(target=replica, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    lighthouse.shutdown()
+    assert not errors, errors
+    return out
+
+
+def test_replica_average_keeps_identical_fp16_rows_bit_identical():
+    """fp16 tables averaged over 3 live replicas come back bit for bit when every replica holds the
+    same rows (averaged in fp16, sum and division round: 1/3 is not exact), and fp32 tensors beside
+    them get their true mean."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.rand(4096, generator=g) * 2 - 1).to(torch.float16)
+
+    def make(i):
+        return [rows.clone(), torch.full((8,), float(i), dtype=torch.float32), rows[:100].to(torch.bfloat16)]
+
+    got = _managers_average(3, make)
+    for fp16, fp32, bf16 in got:
+        changed = int((fp16 != rows).sum())
+        assert changed == 0, f"{changed} of {rows.numel()} identical fp16 rows changed by the average"
+        assert torch.equal(bf16, rows[:100].to(torch.bfloat16))
+        assert torch.allclose(fp32, torch.full((8,), 1.0))  # (0 + 1 + 2) / 3

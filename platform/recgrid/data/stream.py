@@ -14,7 +14,8 @@ key-major (multi-hot bags expanded), labels float32, row ids where the files car
 run as Ray tasks reserving `DEFAULT_NUM_CPUS_PER_TASK` CPU each, which Ray may place on any node
 with CPUs, including nodes with no training worker. The training process only iterates the
 prefetched blocks and wraps each batch's arrays with `torch.from_numpy` into a torchrec
-`Batch` (`batches_of_block`): no per-row or per-feature work is left in it.
+`Batch` (`batches_of_block`; on a CUDA worker, in pinned memory, one copy per block): no per-row or
+per-feature work is left in it.
 
 `scan_inputs` counts the rows of the job's files once (parquet footers; raw logs are counted
 line by line). `read_dataset` (whole-file checks) reads globs of raw logs or prepared
@@ -228,8 +229,10 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     return out
 
 
-def batches_of_block(block: Mapping[str, np.ndarray]) -> Iterator["Batch"]:
-    """The torchrec Batches of one collated block: views of its arrays, wrapped, nothing computed."""
+def batches_of_block(block: Mapping[str, np.ndarray], pin: bool = False) -> Iterator["Batch"]:
+    """The torchrec Batches of one collated block: views of its arrays, wrapped, nothing computed.
+    With `pin` (a CUDA worker: `engine.device.pin_batches`) the block's arrays are first copied
+    once into pinned memory, so each batch's `non_blocking` copy to the GPU is asynchronous."""
     import torch
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -238,6 +241,8 @@ def batches_of_block(block: Mapping[str, np.ndarray]) -> Iterator["Batch"]:
     # the block's arrays are read-only views of Ray's object store (a training batch is never written)
     dense, labels, values, lengths = (torch.from_numpy(_writable(block[k])) for k in ("dense", "labels", "values", "lengths"))
     row_ids = torch.from_numpy(_writable(block["row_ids"])) if "row_ids" in block else None
+    if pin:  # one copy per block (not per batch); row ids stay on the host, where audits read them
+        dense, labels, values, lengths = (t.pin_memory() for t in (dense, labels, values, lengths))
     for j in range(len(labels)):
         out = Batch(dense_features=dense[j], labels=labels[j],
                     sparse_features=KeyedJaggedTensor(keys=keys, values=values[j], lengths=lengths[j]))
@@ -380,7 +385,8 @@ def read_task_table(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec) ->
 def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
                 drop_last: bool = True, multi_hot_seed: int = 0, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
                 prefetch_blocks: int = DEFAULT_PREFETCH_BLOCKS,
-                num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK, stats: list | None = None) -> Iterator["Batch"]:
+                num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK, stats: list | None = None,
+                pin: bool = False) -> Iterator["Batch"]:
     """The rows of `units`, in order, as torchrec Batches of `batch_size` rows, out of Ray Data.
 
     Read tasks (each `rows_per_task` rows, rounded to whole batches) read, parse and collate in
@@ -388,7 +394,8 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
     ready in this process. A read error (a bad raw row, a missing file) is raised here, naming
     file, line and field. With `drop_last` a final short batch is dropped (training parts are
     whole batches, so none is); evaluation keeps it. `stats`, if given, gets the Dataset's
-    execution stats appended when the stream ends or is closed.
+    execution stats appended when the stream ends or is closed. With `pin` the batches come in
+    pinned host memory (`batches_of_block`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -396,7 +403,7 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
                        rows_per_task=rows_per_task, num_cpus_per_task=num_cpus_per_task)
     if ds is None:  # no whole batch: an empty generator (the loop closes what it is given)
         return (b for b in ())
-    return _iterate(ds, prefetch_blocks, stats)
+    return _iterate(ds, prefetch_blocks, stats, pin)
 
 
 def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
@@ -410,11 +417,11 @@ def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batc
         yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed))
 
 
-def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None) -> Iterator["Batch"]:
+def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None, pin: bool = False) -> Iterator["Batch"]:
     blocks = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_blocks)
     try:
         for block in blocks:
-            yield from batches_of_block(block)
+            yield from batches_of_block(block, pin)
     except Exception as e:  # a bad row's error as the read task raised it, not Ray's wrapping of it
         data_error = _data_error(e)
         if data_error is None:
@@ -544,6 +551,7 @@ class TrainData:
     rank: int  # this worker's rank among the workers that train
     workers: int  # how many train
     stats: list[str] = field(default_factory=list, compare=False, repr=False)
+    pin: bool = False  # batches in pinned memory (a CUDA worker: `engine.device.pin_batches`)
 
     def segment_batches(self, cursor: DataCursor) -> tuple[int, Iterator[Any]]:
         """(steps left in the cursor's segment, the batches of this worker's rest of it)."""
@@ -554,7 +562,7 @@ class TrainData:
                 f"{self.workers} workers x {self.plan.batch_size} rows; use more data or a smaller train.batch_size")
         part = seg.part(self.rank, cursor.steps)
         return seg.steps_total - cursor.steps, ray_batches(self.plan.inputs, part, self.spec, self.plan.batch_size,
-                                                           stats=self.stats)
+                                                           stats=self.stats, pin=self.pin)
 
 
 @dataclass
@@ -567,11 +575,13 @@ class EvalData:
     rank: int
     workers: int
     stats: list[str] = field(default_factory=list, compare=False, repr=False)
+    pin: bool = False  # batches in pinned memory (a CUDA worker: `engine.device.pin_batches`)
 
     def batches(self) -> Iterator[Any]:
         units = self.inputs.units()
         part = split_rows(units, even_sizes(self.inputs.total_rows, self.workers))[self.rank]
-        return ray_batches(self.inputs, part, self.spec, self.batch_size, drop_last=False, stats=self.stats)
+        return ray_batches(self.inputs, part, self.spec, self.batch_size, drop_last=False, stats=self.stats,
+                           pin=self.pin)
 
 
 def stats_text(*sources: TrainData | EvalData | None) -> str:

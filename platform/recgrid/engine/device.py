@@ -44,8 +44,30 @@ def use_gpu_default() -> bool:
     return torch.cuda.is_available()
 
 
-def worker_device(local_rank: int | None = None, use_gpu: bool | None = None) -> "torch.device":
-    """cuda:<local rank> on a GPU worker, cpu otherwise. `local_rank` defaults to $LOCAL_RANK."""
+def choose_device(local_rank: int, device_count: int, assigned: "torch.device | None" = None) -> "torch.device":
+    """The CUDA device a GPU worker computes on: the one its launcher `assigned` (Ray Train's
+    `ray.train.torch.get_device()`, from the GPU ids Ray gave the worker), kept as it is; without
+    one, cuda:<local rank> (the local launcher's processes, one per GPU). Never the local rank
+    over an assigned device: under torchft Ray counts local ranks per replica group of one worker,
+    so every worker's local rank is 0. No CUDA call: the choice is testable anywhere."""
+    import torch
+
+    if assigned is not None:
+        assigned = torch.device(assigned)
+        if assigned.type != "cuda":
+            raise RuntimeError(f"use_gpu is set but this worker was assigned {assigned}, not a CUDA device: "
+                               f"did the launcher reserve a GPU per worker?")
+        return assigned if assigned.index is not None else torch.device("cuda", 0)
+    if device_count < 1:
+        raise RuntimeError("use_gpu is set but torch sees no CUDA device on this worker")
+    return torch.device("cuda", local_rank % device_count)
+
+
+def worker_device(local_rank: int | None = None, use_gpu: bool | None = None,
+                  assigned: "torch.device | None" = None) -> "torch.device":
+    """This worker's device, made current: `choose_device` on a GPU worker (the `assigned` device
+    if the launcher gave one, else cuda:<local rank>), cpu otherwise. `local_rank` defaults to
+    $LOCAL_RANK."""
     import torch
 
     if use_gpu is None:
@@ -56,9 +78,17 @@ def worker_device(local_rank: int | None = None, use_gpu: bool | None = None) ->
         raise RuntimeError("use_gpu is set but torch sees no CUDA device on this worker")
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = choose_device(local_rank, torch.cuda.device_count(), assigned)
     torch.cuda.set_device(device)
     return device
+
+
+def pin_batches(device: "torch.device") -> bool:
+    """Whether host batches bound for `device` are read into pinned (page-locked) memory: on CUDA,
+    where only a pinned source lets the `non_blocking` host-to-device copy run asynchronously
+    (the training pipeline's copy stream overlaps it with compute); never on CPU, where pinning
+    needs a CUDA driver and would only cost a copy."""
+    return device.type == "cuda"
 
 
 def placement(device_type: str, global_rank: int, device_index: int | None) -> str:
@@ -171,12 +201,14 @@ def configure_matmul(device: "torch.device", precision: str) -> None:
     torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
 
 
-def autocast(device: "torch.device", precision: str) -> contextlib.AbstractContextManager:
-    """The context a forward pass runs in: bfloat16 autocast on CUDA for "bf16", nothing
-    otherwise (the backward runs outside it, as autocast asks)."""
+def autocast(device: "torch.device", precision: str, training: bool = True) -> contextlib.AbstractContextManager:
+    """The context a forward pass runs in: bfloat16 autocast on CUDA for a training forward of
+    "bf16", nothing otherwise (the backward runs outside it, as autocast asks). Evaluation
+    (`training` false) never autocasts: its predictions are float32, not rounded to bfloat16's
+    8 bits (which ties AUC's bins and shifts NE); its matmuls follow `configure_matmul`."""
     import torch
 
-    if device.type == "cuda" and precision == "bf16":
+    if training and device.type == "cuda" and precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,9 @@ class SyncRecord:
 @dataclass
 class PendingAverage:
     """A delayed moment sync's state average in flight: the states as they were at the sync
-    that launched it (`snapshot`), and the buffers the average lands in (`averaged`)."""
+    that launched it (`snapshot`: the average's input, never written again), and the buffers the
+    average lands in (`averaged`). A trainer's snapshot keeps the input and a restore relaunches
+    the average (`ReplicaSync.launch_state_average`), so a snapshot never waits for it."""
 
     snapshot: list[torch.Tensor]
     averaged: list[torch.Tensor]
@@ -224,10 +226,16 @@ class ReplicaSync:
             pending.settle()
             for v, s, a in zip(self.states, pending.snapshot, pending.averaged):
                 v.add_(a - s)  # v = avg(snapshot_n) + (v_now - snapshot_n)
-        snapshot = [v.detach().clone() for v in self.states]
+        self.state.pending = self.launch_state_average([v.detach().clone() for v in self.states])
+        return _nbytes(self.state.pending.averaged)
+
+    def launch_state_average(self, snapshot: list[torch.Tensor]) -> PendingAverage:
+        """Launch the delayed average of `snapshot` (the optimizer states as they were at a sync,
+        owned by the result from now on) over the replica group: at a sync, and again when a
+        restore brings back the input of an average that was in flight (collective: every member
+        of the replica group launches it at the same point)."""
         averaged = [v.clone() for v in snapshot]
-        self.state.pending = PendingAverage(snapshot, averaged, self._launch_avg(averaged))
-        return _nbytes(averaged)
+        return PendingAverage(snapshot, averaged, self._launch_avg(averaged))
 
     def _all_reduce_avg(self, tensors: list[torch.Tensor]) -> int:
         return average_(tensors, self.replica_pg, self.num_groups, self.bucket_bytes)
@@ -251,11 +259,27 @@ def average_(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_size: int
     if wide:
         launch_average_(wide, pg, group_size).wait()
         sent += _nbytes(wide)
-    for dtype, group in _by_dtype([t for t in tensors if t.dtype in LOW_PRECISION]).items():
+    low = [t for t in tensors if t.dtype in LOW_PRECISION]
+    return sent + average_low_precision_(low, lambda t: _all_reduce(t, pg, dist.ReduceOp.SUM), group_size,
+                                         bucket_bytes)
+
+
+def average_low_precision_(tensors: list[torch.Tensor], sum_: Callable[[torch.Tensor], Any], group_size: int,
+                           bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Replace each fp16/bf16 tensor by its mean over `group_size` members, in place: copied into
+    fp32 buckets of at most `bucket_bytes`, summed by `sum_(bucket)` (an all-reduce SUM over the
+    members, in place, returning something to `wait()` on: a process group's, or torchft's
+    manager's), divided by `group_size` and rounded back once, so M identical copies stay
+    bit-identical. The one place low-precision tables are averaged (`average_`, `train.ft`).
+    Returns the bytes this worker put into the all-reduces."""
+    sent = 0
+    for dtype, group in _by_dtype(tensors).items():
+        if dtype not in LOW_PRECISION:
+            raise ValueError(f"average_low_precision_ averages fp16/bf16 tensors, got {dtype}")
         for bucket in _buckets(group, bucket_bytes // 4):
             staging = torch.empty(sum(n for _, _, n in bucket), dtype=torch.float32, device=group[0].device)
             _gather_into(staging, bucket)
-            _all_reduce(staging, pg, dist.ReduceOp.SUM).wait()
+            sum_(staging).wait()
             staging.div_(group_size)
             _scatter_from(staging, bucket)  # rounds to fp16/bf16 once
             sent += staging.numel() * staging.element_size()

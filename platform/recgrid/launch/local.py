@@ -1,6 +1,7 @@
 """The local launcher: run a function on T processes of this machine, each a rank of a real
-gloo process group. Used by `recgrid smoke`, the tests and the benchmarks; the Ray launcher
-is the production path and shares the training loop with it."""
+process group (gloo on CPU; NCCL with one GPU per rank on CUDA). Used by `recgrid smoke`, the
+tests and the benchmarks (`bench/gpu_check.py` on GPUs); the Ray launcher is the production path
+and shares the training loop with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from recgrid.engine.device import process_group_backend
+from recgrid.engine.device import process_group_backend, worker_device
 from recgrid.logs import quiet_libraries
 
 
@@ -28,9 +29,11 @@ def free_port() -> int:
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900,
-              threads_per_worker: int = 1, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return their results by rank.
+              threads_per_worker: int = 1, device_type: str = "cpu", **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return their results by rank.
 
+    `device_type` "cpu": gloo ranks; "cuda": rank r computes on cuda:r (made current before `fn`
+    runs) in an NCCL process group (`engine.device` picks the device and the backend).
     `fn` must be importable (module level). If any rank fails, every rank is stopped and the
     failing rank's traceback is raised here.
     """
@@ -38,8 +41,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, threads_per_worker, results, fn, args, kwargs),
-                    daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads_per_worker, device_type, results, fn, args,
+                                          kwargs), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -63,8 +66,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [out[r] for r in range(world_size)]
 
 
-def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, fn: Callable[..., Any],
-            args: tuple, kwargs: dict) -> None:
+def _worker(rank: int, world_size: int, port: int, threads: int, device_type: str, results: Any,
+            fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -73,7 +76,9 @@ def _worker(rank: int, world_size: int, port: int, threads: int, results: Any, f
     torch.set_num_threads(threads)  # T processes share this machine's cores
     quiet_libraries()
     try:
-        dist.init_process_group(process_group_backend("cpu"), rank=rank, world_size=world_size)
+        device = worker_device(rank, use_gpu=device_type == "cuda")  # cuda:<rank>, made current
+        dist.init_process_group(process_group_backend(device.type), rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
         value = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()

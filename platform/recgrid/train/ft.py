@@ -51,11 +51,11 @@ import sys
 import time
 from collections import defaultdict
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
-from recgrid.engine.sync import SyncRecord, embedding_kernels
+from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery import digest
 from recgrid.train.trainer import Replicas, Snapshot, Trainer
@@ -209,7 +209,8 @@ class TorchftReplicas(Replicas):
         import torch
         from torch.distributed import ReduceOp
 
-        stop = torch.tensor([float(mine)], dtype=torch.float64)
+        # on the trainer's device: the manager's process group is NCCL on CUDA, which refuses CPU tensors
+        stop = torch.tensor([float(mine)], dtype=torch.float64, device=self.trainer.device)
         if (self.live or 1) > 1:
             self.manager.allreduce(stop, reduce_op=ReduceOp.MAX).wait()
         return float(stop[0]) > 0
@@ -219,35 +220,60 @@ class TorchftReplicas(Replicas):
         return self.manager.participating_rank() == 0
 
     def _average(self, tensors: list[Any]) -> "_Average":
-        """Launch the average of `tensors` over the live replicas (one flat buffer per dtype);
-        calling the result waits and writes the averages back into `tensors`."""
+        """Launch the average of `tensors` over the live replicas: fp32 (and wider) tensors as one
+        flat buffer per dtype, now; fp16/bf16 ones when the result is called, summed in fp32
+        buckets and divided there (`engine.sync.average_low_precision_`: averaged in their own
+        dtype, identical rows would drift). Calling the result waits and writes the averages
+        back into `tensors`."""
         from torch._utils import _flatten_dense_tensors
+        from torch.distributed import ReduceOp
 
         t0 = time.perf_counter()
         by_dtype: dict[Any, list[Any]] = defaultdict(list)
+        low = []
         for x in tensors:
-            by_dtype[x.dtype].append(x)
+            self._check_device(x)
+            (low if x.dtype in LOW_PRECISION else by_dtype[x.dtype]).append(x)
         launched = []
         for group in by_dtype.values():
             flat = _flatten_dense_tensors(group)
             launched.append((self.manager.allreduce(flat), flat, group))
-        return _Average(tensors, launched, t0)
+        live = self.live or 1
+
+        def average_low() -> None:
+            average_low_precision_(low, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM), live)
+
+        return _Average(tensors, launched, t0, average_low if low else None)
+
+    def _check_device(self, x: Any) -> None:
+        """Every tensor of a collective over the replicas lives on the trainer's device: the
+        manager's process group is NCCL there on CUDA (`make_manager`), and NCCL refuses CPU tensors."""
+        if x.device.type != self.trainer.device.type:
+            raise RuntimeError(f"a {x.device} tensor was handed to the replicas' {self.trainer.device.type} "
+                               f"collective; it must live on {self.trainer.device}")
 
     def _reduce_sums(self, sums: Any, maxes: Any) -> None:
         """`reduce_metrics`' reducer: the metric sums and maxima over the live replicas."""
         from torch.distributed import ReduceOp
 
-        works = [self.manager.allreduce(sums, reduce_op=ReduceOp.SUM),
-                 self.manager.allreduce(maxes, reduce_op=ReduceOp.MAX)]
+        device = self.trainer.device  # the manager's process group's (NCCL on CUDA refuses CPU tensors)
+        on = [x if x.device.type == device.type else x.to(device) for x in (sums, maxes)]
+        works = [self.manager.allreduce(on[0], reduce_op=ReduceOp.SUM),
+                 self.manager.allreduce(on[1], reduce_op=ReduceOp.MAX)]
         for w in works:
             w.wait()
+        for x, y in zip((sums, maxes), on):
+            if y is not x:
+                x.copy_(y)
 
 
 class _Average:
-    """An average in flight over the live replicas: call it to wait and write the result back."""
+    """An average in flight over the live replicas: call it to wait and write the result back
+    (and to average the low-precision tensors, `low`, which are summed in fp32 then)."""
 
-    def __init__(self, tensors: list[Any], launched: list[tuple[Any, Any, list[Any]]], started: float) -> None:
-        self.tensors, self.launched, self.started = tensors, launched, started
+    def __init__(self, tensors: list[Any], launched: list[tuple[Any, Any, list[Any]]], started: float,
+                 low: "Callable[[], None] | None" = None) -> None:
+        self.tensors, self.launched, self.started, self.low = tensors, launched, started, low
         self.seconds = 0.0
 
     def __call__(self) -> None:
@@ -257,4 +283,6 @@ class _Average:
             work.wait()
             for x, avg in zip(group, _unflatten_dense_tensors(flat, group)):
                 x.copy_(avg)
+        if self.low is not None:
+            self.low()
         self.seconds = time.perf_counter() - self.started

@@ -39,7 +39,7 @@ CPU loop is the plain one, step by step, timed on the host clock:
   interval: no `torch.cuda.synchronize()` per step. "dense" is the step's device time minus its
   "lookup" spans; "data_wait" is the host's wait for the next batch, before the step opens.
 - Precision (`EngineConfig.precision`): TF32 matmuls by default, fp32, or bf16 autocast of the
-  forward; fp16 tables come with the model (`ModelSpec.embedding_dtype`, TorchRec's table data
+  training forward (evaluation never autocasts: float32 predictions); fp16 tables come with the model (`ModelSpec.embedding_dtype`, TorchRec's table data
   type, which sets the fused kernel's weights precision).
 The plain loop stays available on CUDA (`pipeline=False`: it synchronizes every step) to compare.
 """
@@ -66,7 +66,7 @@ from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer, moment_scale_for
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
-from recgrid.engine.sync import PendingAverage, ReplicaSync, SyncState, embedding_weights, optimizer_states
+from recgrid.engine.sync import ReplicaSync, SyncState, embedding_weights, optimizer_states
 from recgrid.engine.towers import TowerConfig
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
 
@@ -90,8 +90,9 @@ class EngineConfig:
         towers: Disaggregated Multi-Tower (`engine.towers`): the towers, their modules and the
             exchange; None = TorchRec's flat exchange (and `sharding` applies).
         precision: dense compute: "fp32", "tf32" (TensorFloat-32 matmuls) or "bf16" (bfloat16
-            autocast of the forward); None = the device's default (`engine.device.default_precision`:
-            tf32 on CUDA, fp32 on CPU). tf32 and bf16 need CUDA.
+            autocast of the training forward; evaluation stays float32); None = the device's
+            default (`engine.device.default_precision`: tf32 on CUDA, fp32 on CPU). tf32 and bf16
+            need CUDA.
         ne_window_steps: the training NE's window, in steps.
     """
 
@@ -187,7 +188,8 @@ class StepOutput:
 @dataclass
 class Snapshot:
     """This worker's share of the trainer's one state inventory, as plain tensors: its shards
-    (embedding weights, optimizer states, and with delayed moment sync the average in flight),
+    (embedding weights, optimizer states, and with delayed moment sync the input of the state
+    average in flight, which a restore relaunches),
     the dense part (parameters and optimizer state by name), the scalar progress (step, examples,
     data cursor, sync counters) and this worker's own NE window. The shards are the same for
     every member of a replica group right after a sync; the dense part and progress are the
@@ -367,9 +369,11 @@ class Trainer:
         return StepOutput(loss=loss.detach(), logits=logits, labels=labels,
                           seconds=time.perf_counter() - t0 - commit_s, step=step, committed=committed)
 
-    def _forward(self, batch: Any) -> Any:
-        """The model's forward in this trainer's precision (bf16 autocast on CUDA if asked)."""
-        with autocast(self.device, self.precision):
+    def _forward(self, batch: Any, training: bool = True) -> Any:
+        """The model's forward in this trainer's precision: a training forward under bf16
+        autocast on CUDA if asked; an evaluation forward (`training` false) never autocast, so
+        predictions keep float32 (`engine.device.autocast`)."""
+        with autocast(self.device, self.precision, training):
             return self.model(batch)
 
     def _step(self, batch: Any, wait: float, round_s: float) -> StepOutput:
@@ -568,7 +572,8 @@ class Trainer:
         return last
 
     def evaluate(self, data: EvalData) -> dict[str, float]:
-        """NE, AUC, log loss over every eval row of every worker (sums reduced, never averages).
+        """NE, AUC, log loss over every eval row of every worker (sums reduced, never averages),
+        from float32 predictions (no bf16 autocast, whatever the training precision).
         A training pipeline in flight is dropped first (its prefetched batches are fed again to
         the next one): the model gets its own forwards back."""
         self._drop_pipeline(refeed=True)
@@ -577,7 +582,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch, real in lockstep(data.batches(), self.groups.global_pg, self.device):
-                    _, (_, logits, labels) = self._forward(batch.to(self.device, non_blocking=True))
+                    _, (_, logits, labels) = self._forward(batch.to(self.device, non_blocking=True), training=False)
                     if real:
                         evaluation.update(torch.sigmoid(logits.float()), labels)
         finally:
@@ -603,21 +608,21 @@ class Trainer:
     # ---- the state inventory: snapshots (in-memory copies, torchft heals) and storage checkpoints ----
     def shard_tensors(self) -> list[torch.Tensor]:
         """This worker's shards, as views of the kernels' storage: weights, optimizer states, and
-        the delayed moment sync's average in flight (once it has landed)."""
+        with delayed moment sync the input of the state average in flight (the states as they
+        were at the sync that launched it: never written, so reading it waits for nothing; a
+        restore relaunches the average from it, `load_snapshot`)."""
         pending = self.state.sync.pending
-        extra: list[torch.Tensor] = []
-        if pending is not None:
-            pending.settle()
-            extra = pending.snapshot + pending.averaged
+        extra = list(pending.snapshot) if pending is not None else []
         return embedding_weights(self.model) + optimizer_states(self.model) + extra
 
     def kernel_tensor_count(self) -> int:
-        """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average in flight)."""
+        """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average's input)."""
         return len(embedding_weights(self.model)) + len(optimizer_states(self.model))
 
     def snapshot(self, copy: bool = True) -> Snapshot:
-        """This worker's share of the state (no collective): copies on the CPU, or with `copy`
-        false views of the live tensors (the caller copies them before the next step)."""
+        """This worker's share of the state (no collective, and no wait for a delayed average in
+        flight: its input is kept, `shard_tensors`): copies on the CPU, or with `copy` false views
+        of the live tensors (the caller copies them before the next step)."""
         shard = self.shard_tensors()
         if copy:
             shard = [t.detach().to("cpu", copy=True) for t in shard]
@@ -627,11 +632,13 @@ class Trainer:
     def load_snapshot(self, snap: Snapshot, window: torch.Tensor | None) -> None:
         """Load a snapshot taken by any worker of the same shard position (its own, or a replica
         peer's): the inverse of `snapshot`. `window` is the NE window summed over the workers
-        (global rank 0 keeps it; None: start a fresh window)."""
+        (global rank 0 keeps it; None: start a fresh window). A snapshot holding a delayed state
+        average's input relaunches that average over the replica group (collective there: every
+        worker of the grid loads its snapshot at the same point, as a restore does)."""
         states = optimizer_states(self.model)
         kernel = embedding_weights(self.model) + states
         shard = snap.shard
-        if len(shard) not in (len(kernel), len(kernel) + 2 * len(states)):
+        if len(shard) not in (len(kernel), len(kernel) + len(states)):
             raise RuntimeError(f"snapshot holds {len(shard)} shard tensors; this worker's shards need {len(kernel)}")
         with torch.no_grad():
             for dst, src in zip(kernel, shard):
@@ -641,11 +648,11 @@ class Trainer:
                 dst.copy_(src)
         rest = shard[len(kernel):]
         self._drop_pipeline()  # batches it prefetched follow the old cursor
+        if self.state.sync.pending is not None:  # this trainer's own average: landed, then forgotten
+            self.state.sync.pending.settle()
         self.state.sync.pending = None
-        if rest and self.config.delayed_moment_sync:
-            n = len(states)
-            self.state.sync.pending = PendingAverage([t.to(self.device).clone() for t in rest[:n]],
-                                                     [t.to(self.device).clone() for t in rest[n:]])
+        if rest and self.config.delayed_moment_sync and self.replica_sync.enabled:
+            self.state.sync.pending = self.replica_sync.launch_state_average([t.to(self.device).clone() for t in rest])
         self.load_dense_state(snap.dense)
         self._load_progress(snap.progress, window)
 

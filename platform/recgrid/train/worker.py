@@ -71,21 +71,38 @@ def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
     import ray.train
     import torch
 
-    from recgrid.engine.device import worker_device
     from recgrid.logs import quiet_libraries
 
     quiet_libraries()
     ctx = ray.train.get_context()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    return ctx, worker_device(ctx.get_local_rank(), job.use_gpu)
+    return ctx, ray_worker_device(job.use_gpu)
 
 
-def _data(job: WorkerJob, rank: int, workers: int, eval_rank: int, eval_workers: int) -> tuple[TrainData, EvalData | None]:
-    """This worker's part of each epoch (of `workers` parts) and of the evaluation rows."""
-    loop = job.loop
+def ray_worker_device(use_gpu: bool) -> Any:
+    """The device of this Ray Train worker, made current: the GPU Ray assigned it
+    (`ray.train.torch.get_device()`, from the GPU ids Ray reserved for it) on GPU jobs, cpu
+    otherwise. Never computed from `get_local_rank()`: under torchft every worker is its own
+    replica group, so its local rank is 0 whichever GPU Ray gave it."""
+    from recgrid.engine.device import worker_device
+
+    if not use_gpu:
+        return worker_device(use_gpu=False)
+    import ray.train.torch
+
+    return worker_device(use_gpu=True, assigned=ray.train.torch.get_device())
+
+
+def _data(job: WorkerJob, rank: int, workers: int, eval_rank: int, eval_workers: int,
+          device: Any) -> tuple[TrainData, EvalData | None]:
+    """This worker's part of each epoch (of `workers` parts) and of the evaluation rows, in pinned
+    memory on a GPU worker (`engine.device.pin_batches`)."""
+    from recgrid.engine.device import pin_batches
+
+    loop, pin = job.loop, pin_batches(device)
     data = TrainData(EpochPlan(job.train_inputs, job.engine.seed, loop.batch_size, job.rows_per_unit),
-                     job.engine.spec, rank, workers)
-    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, eval_rank, eval_workers) \
+                     job.engine.spec, rank, workers, pin=pin)
+    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, eval_rank, eval_workers, pin=pin) \
         if job.eval_inputs is not None else None
     return data, eval_data
 
@@ -153,7 +170,7 @@ def train_worker(cfg: dict) -> None:
     if report:
         report.started(restored, grid)
 
-    data, eval_data = _data(job, rank, grid.world_size, rank, grid.world_size)
+    data, eval_data = _data(job, rank, grid.world_size, rank, grid.world_size, device)
     rows = RowLog(job.row_log, attempt_no, world_rank) if job.row_log else None
 
     def on_log(values: dict[str, float], step: int) -> None:
@@ -211,7 +228,7 @@ def train_replica(cfg: dict) -> None:
     trainer.replicas = TorchftReplicas(trainer, manager, heal, report)
     # every replica id owns a part of each epoch, live or not: a dead replica's rows wait for no one;
     # the evaluating replica reads every eval row
-    data, eval_data = _data(job, replica, replicas, 0, 1)
+    data, eval_data = _data(job, replica, replicas, 0, 1, device)
     rows = RowLog(job.row_log, attempt, replica) if job.row_log else None
     hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[report.step],
                      stop_requested=lambda t: ray.get(control.stop_requested.remote()))
