@@ -78,13 +78,13 @@ def test_m1_child_differs_from_m2_only_where_it_should(sweep):
     client, result = sweep
     runs = {r["M"]: client.get_run(r["run_id"]).data for r in result.rows}
     p1, p2 = runs[1].params, runs[2].params
-    assert p1["num_groups"] == "1" and p1["group_size"] == "2" and p2["group_size"] == "1"
+    assert p1["grid.num_groups"] == "1" and p1["derived.group_size"] == "2" and p2["derived.group_size"] == "1"
     differing = {k for k in set(p1) | set(p2) if p1.get(k) != p2.get(k)}
-    expected = {"num_groups", "grid.num_groups", "group_size", "moment_scale", "optim.moment_scale",
-                "tracking.run_name", "grid.workers_per_node"}
-    # the plan is made for L workers, so where tables sit may differ too; nothing else may
-    assert {k for k in differing if not k.startswith("sharding.")} <= expected
-    assert {"num_groups", "group_size"} <= differing
+    expected = {"grid.num_groups", "derived.group_size", "optim.moment_scale", "tracking.run_name",
+                "derived.workers_per_node"}
+    # where tables sit (the plan is made for L workers) is the artifact sharding_plan.json, not params
+    assert differing <= expected
+    assert {"grid.num_groups", "derived.group_size"} <= differing
     f1, f2 = runs[1].metrics, runs[2].metrics
     assert f1["sync/count"] == 0 and f1["sync/bytes_total"] == 0
     assert f2["sync/count"] > 0 and f2["sync/bytes_total"] > 0
