@@ -17,6 +17,18 @@ for _name, _value in TRAIN_POLL.items():
 _EXIT = {"status": 0}
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real `mlflow server` with k8s/'s basic-auth settings for the whole session (tests/mlflow_server.py)."""
+    import mlflow_server as ms
+
+    server = ms.start(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _EXIT["status"] = int(exitstatus)
 

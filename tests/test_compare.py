@@ -59,7 +59,7 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     assert result.status == "FINISHED", result.rows
     parent = client.get_run(result.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-T2-M1,2-K5"
-    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["global_batch"] == "128"
+    assert parent.data.params["compare.groups"] == "1,2" and parent.data.params["derived.global_batch"] == "128"
     exp = client.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
@@ -67,7 +67,7 @@ def test_one_parent_run_with_a_child_per_configuration(sweep):
     assert all(c.info.status == "FINISHED" for c in children)
     assert len(client.search_runs([exp.experiment_id])) == 3  # nothing else
     for c in children:  # the same job but for M (and c = M, which follows it)
-        assert c.data.params["world_size"] == "2" and c.data.params["train.batch_size"] == "64"
+        assert c.data.params["grid.world_size"] == "2" and c.data.params["train.batch_size"] == "64"
         assert c.data.params["data.train"] == parent.data.params["data.train"]
         assert c.data.metrics["train/examples_total"] == STEPS * 2 * 64
 
@@ -78,13 +78,13 @@ def test_m1_child_differs_from_m2_only_where_it_should(sweep):
     client, result = sweep
     runs = {r["M"]: client.get_run(r["run_id"]).data for r in result.rows}
     p1, p2 = runs[1].params, runs[2].params
-    assert p1["num_groups"] == "1" and p1["group_size"] == "2" and p2["group_size"] == "1"
+    assert p1["grid.num_groups"] == "1" and p1["derived.group_size"] == "2" and p2["derived.group_size"] == "1"
     differing = {k for k in set(p1) | set(p2) if p1.get(k) != p2.get(k)}
-    expected = {"num_groups", "grid.num_groups", "group_size", "moment_scale", "optim.moment_scale",
-                "tracking.run_name", "grid.workers_per_node"}
-    # the plan is made for L workers, so where tables sit may differ too; nothing else may
-    assert {k for k in differing if not k.startswith("sharding.")} <= expected
-    assert {"num_groups", "group_size"} <= differing
+    expected = {"grid.num_groups", "derived.group_size", "optim.moment_scale", "tracking.run_name",
+                "derived.workers_per_node"}
+    # where tables sit (the plan is made for L workers) is the artifact sharding_plan.json, not params
+    assert differing <= expected
+    assert {"grid.num_groups", "derived.group_size"} <= differing
     f1, f2 = runs[1].metrics, runs[2].metrics
     assert f1["sync/count"] == 0 and f1["sync/bytes_total"] == 0
     assert f2["sync/count"] > 0 and f2["sync/bytes_total"] > 0

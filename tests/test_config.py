@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -163,16 +164,16 @@ def test_every_field_is_documented_and_choices_agree() -> None:
 
 
 def test_readme_config_table_is_the_generated_one() -> None:
-    """The README's config reference is `reference_table()`: docs that restate code drift."""
+    """docs/reference.md's config reference is `reference_table()`: docs that restate code drift."""
     from pathlib import Path
 
     from recgrid.config import reference_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
     begin, end = "<!-- config-table:begin -->\n", "\n<!-- config-table:end -->"
     assert begin in readme and end in readme
     assert readme[readme.index(begin) + len(begin):readme.index(end)] == reference_table(), \
-        "README's config table is stale: paste the output of `python -m recgrid.config`"
+        "docs/reference.md's config table is stale: paste the output of `python -m recgrid.config`"
 
 
 @pytest.mark.parametrize("sharding", ["table_row_wise", "grid_shard"])
@@ -187,3 +188,19 @@ def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, 
                                                       "grid.min_world_size=2"])  # L = 1
     assert not every_count_whole.sidelines_ranks
     assert load_config(None, base[:3] + ["grid.min_world_size=2"]).sidelines_ranks  # auto: planned without them
+
+
+def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
+    """A run's params are the config's keys, each once, plus `config.DERIVED_PARAMS` (named so
+    that no config key has the same name): no `num_groups` beside `grid.num_groups`."""
+    from recgrid.config import DERIVED_PARAMS, load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "jobs/local_demo.yaml", [], check_paths=False)
+    params = cfg.run_params()
+    config_keys = set(cfg.to_flat_dict())
+    assert set(params) - config_keys == {"derived.group_size"} and set(params) >= config_keys
+    assert params["derived.group_size"] == 2 and params["grid.num_groups"] == 2 and params["optim.moment_scale"] == 2.0
+    leaves = {k.rsplit(".", 1)[-1] for k in config_keys}
+    assert all(k.startswith("derived.") and k.rsplit(".", 1)[-1] not in leaves for k in DERIVED_PARAMS)
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    assert all(f"| `{k}` |" in reference for k in DERIVED_PARAMS), "docs/reference.md's params table is stale"

@@ -7,6 +7,7 @@ import glob
 import gzip
 import math
 import os
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -23,7 +24,8 @@ from recgrid.data.synth import write_synth
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # the dashboard serves the state API Ray Train's placement-group cleaner asks (the README recipe's train)
+    ray.init(num_cpus=2, log_to_driver=False, logging_level="WARNING")
     yield
     ray.shutdown()
 
@@ -258,3 +260,69 @@ def test_synth_raw_through_prepare_equals_synth_parquet(tmp_path):
         # synthetic parquet also numbers its rows (for audits); raw text has no such column
         assert want.column(ROW_ID).to_pylist() == list(range(i * 2500, (i + 1) * 2500))
         assert got.equals(want.drop_columns([ROW_ID]))
+
+
+# ---- the README's real-Criteo recipe (issue 17, acceptance 6) ------------------------------------
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def readme_recipe(marker: str) -> tuple[list[str], list[str]]:
+    """The variable lines and the commands (continuations joined) of the ```sh block after `marker`."""
+    text = open(README).read()
+    block = text[text.index(marker):].split("```sh\n", 1)[1].split("\n```", 1)[0]
+    logical = block.replace("\\\n", " ").splitlines()
+    variables = [ln for ln in logical if re.match(r"^[A-Z_]+=", ln)]
+    commands = [ln.strip() for ln in logical if ln.strip().startswith("recgrid ")]
+    assert variables and commands, block
+    return variables, commands
+
+
+def test_readme_criteo_recipe_prepares_then_trains_on_days_0_22_and_evaluates_on_day_23(tmp_path):
+    """The README's recipe as written, on 24 small raw day files named as Criteo names them
+    (`day_0.gz` … `day_23.gz`): the shell expands its commands (with its own CRITEO and CAP), then
+    `prepare` runs as written and `train` with a short run's settings appended (steps, batch, CPUs
+    for this machine, a store in tmp). No evaluation shard matches a training glob."""
+    import fnmatch
+    import shlex
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.config import load_config
+    from recgrid.data.criteo import CriteoDataError
+    from recgrid.data.stream import scan_inputs
+
+    rows_per_day = 40
+    raw = tmp_path / "synth"
+    for day, path in enumerate(write_synth(str(raw), 24 * rows_per_day, files=24, fmt="tsv.gz", spec="tiny", seed=3)):
+        os.replace(path, tmp_path / f"day_{day}.gz")
+    variables, commands = readme_recipe("<!-- recipe:criteo-1tb")
+    assert [v.split("=")[0] for v in variables] == ["CRITEO", "CAP"]
+    assert [c.split()[1] for c in commands] == ["prepare", "train"]
+    mine = f"CRITEO={shlex.quote(str(tmp_path))}; CAP=1000; "
+    argvs = [subprocess.run(["bash", "-c", mine + "printf '%s\\0' " + c[len("recgrid "):]], check=True,
+                            capture_output=True, text=True).stdout.split("\0")[:-1] for c in commands]
+
+    assert cli.main(argvs[0]) == 0
+    out = tmp_path / "parquet"
+    assert sorted({os.path.basename(p).split("-")[0] for p in glob.glob(str(out / "*.parquet"))}) == \
+        sorted(f"day_{d}" for d in range(24))
+    short = ["train.max_steps=4", "train.batch_size=32", "train.log_every=2", "train.cpus_per_worker=0.25",
+             f"train.storage_path={tmp_path}/ray", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+             "tracking.experiment=test-readme-recipe"]
+    train_argv = argvs[1] + sum((["--set", s] for s in short), [])
+    cfg = load_config(train_argv[1], [a for i, a in enumerate(train_argv) if i and train_argv[i - 1] == "--set"])
+    train_files = sorted({f for g in cfg.data.train for f in glob.glob(g)})
+    eval_files = sorted({f for g in cfg.data.eval for f in glob.glob(g)})
+    days = lambda files: sorted({int(os.path.basename(f).split("-")[0][4:]) for f in files})  # noqa: E731
+    assert days(train_files) == list(range(23)) and days(eval_files) == [23]
+    assert not [(f, g) for f in eval_files for g in cfg.data.train if fnmatch.fnmatch(f, g)]
+    assert fnmatch.fnmatch(eval_files[0], str(out / "day_[0-22]*"))  # the old recipe's glob took day 23 too
+    with pytest.raises(CriteoDataError, match="prepared for table rows"):
+        scan_inputs(train_files[:1], get_spec("criteo_1tb"))  # shards prepared with CAP refuse a train without it
+
+    assert cli.main(train_argv) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("test-readme-recipe").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["data.max_rows_per_table"] == "1000"
+    assert run.data.metrics["eval/examples"] == rows_per_day  # day 23, every row once

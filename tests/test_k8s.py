@@ -14,14 +14,7 @@ import ipaddress
 import math
 import os
 import re
-import secrets
 import shlex
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from fractions import Fraction
 from pathlib import Path
 
@@ -271,7 +264,7 @@ def test_postgres_only_from_mlflow_and_metrics_from_monitoring():
 
 # ---- egress ---------------------------------------------------------------------------------------
 METADATA_IP = ipaddress.ip_address("169.254.169.254")  # every cloud's instance metadata (credentials)
-OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # installed into the namespace (README step 0)
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # installed into the namespace (k8s/README.md, step 2)
 
 
 def egress_rules(pod_labels: dict) -> list[dict] | None:
@@ -360,82 +353,33 @@ def test_mlflow_admits_only_the_ray_pods_and_named_clients():
 
 
 # ---- MLflow behind authentication -----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_mlflow_server_with_the_manifests_auth_settings_refuses_anonymous_requests(tmp_path):
+def test_mlflow_server_with_the_manifests_auth_settings_refuses_anonymous_requests(mlflow_server):
     """A real `mlflow server`, with the manifest's arguments and auth config (only the addresses and
-    stores moved to this machine): 401 without credentials or with a wrong password, 200 for the
-    admin the Secret names, and an MLflow client authenticates with the env vars the Ray pods get."""
+    stores moved to this machine: tests/mlflow_server.py): 401 without credentials or with a wrong
+    password, 200 for the admin the Secret names, and an MLflow client authenticates with the env
+    vars the Ray pods get."""
     (deploy,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     (config_map,) = [c for c in _kind("ConfigMap") if c["metadata"]["name"] == "recgrid-mlflow-auth"]
     env = {e["name"]: e for e in container["env"]}
-    mount = next(m for m in container["volumeMounts"] if m["name"] == "auth-config")
-    ini_name = env["MLFLOW_AUTH_CONFIG_PATH"]["value"][len(mount["mountPath"]) + 1:]
+    ini_name = env["MLFLOW_AUTH_CONFIG_PATH"]["value"].rsplit("/", 1)[-1]
     assert "--app-name=basic-auth" in container["args"]
     assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "recgrid-mlflow-admin"
-    ini = config_map["data"][ini_name]
-    assert "admin_password" not in ini  # the password comes from the Secret only
-    ini = re.sub(r"^database_uri = .*$", f"database_uri = sqlite:///{tmp_path}/basic_auth.db", ini, flags=re.M)
-    (tmp_path / ini_name).write_text(ini)
-    port = _free_port()
-    moved = {"--host": "127.0.0.1", "--port": str(port), "--workers": "1",
-             "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db", "--artifacts-destination": str(tmp_path / "art")}
-    args = [a if a.split("=")[0] not in moved else f"{a.split('=')[0]}={moved[a.split('=')[0]]}" for a in container["args"]]
-    password = secrets.token_urlsafe(16)
-    server_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    server_env.update(MLFLOW_AUTH_CONFIG_PATH=str(tmp_path / ini_name), MLFLOW_AUTH_ADMIN_PASSWORD=password,
-                      MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", *args], cwd=tmp_path,
-                            env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert "admin_password" not in config_map["data"][ini_name]  # the password comes from the Secret only
 
-    def status(user: str | None = None, pw: str | None = None) -> int:
-        req = urllib.request.Request(url)
-        if user is not None:
-            import base64
-            req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode())
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:  # the first request creates the store's tables
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+    path = "/api/2.0/mlflow/experiments/search?max_results=1"
+    assert mlflow_server.get(path, user=None)[0] == 401
+    assert mlflow_server.get(path, "admin", "not-the-password")[0] == 401
+    assert mlflow_server.get(path)[0] == 200
+    from mlflow.tracking import MlflowClient
 
+    old = {k: os.environ.get(k) for k in mlflow_server.client_env()}
+    os.environ.update(mlflow_server.client_env())  # what the Ray pods get from recgrid-mlflow-client
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)  # unauthenticated by design
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-                time.sleep(1)
-        assert status() == 401
-        assert status("admin", "not-the-password") == 401
-        assert status("admin", password) == 200
-        from mlflow.tracking import MlflowClient
-
-        client_env = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": password}
-        old = {k: os.environ.get(k) for k in client_env}
-        os.environ.update(client_env)  # what the Ray pods get from recgrid-mlflow-client
-        try:
-            assert MlflowClient(f"http://127.0.0.1:{port}").search_experiments(max_results=1) is not None
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        assert MlflowClient(mlflow_server.url).search_experiments(max_results=1) is not None
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _quantity(q) -> Fraction:

@@ -39,9 +39,14 @@ K, T, B = 5, 4, 128
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def two_runs(tmp_path_factory, mlflow_server):
     """One job with M=2, a job that fails on a bad row and the chaos job, on one local Ray cluster
-    (the M=1 baseline of the same job is in tests/test_compare.py)."""
+    (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job logs to the
+    suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating with the
+    env vars the Ray pods get; the others to a SQLite store."""
+    import contextlib
+    import io
+
     import ray
 
     from recgrid.launch.ray import run_job
@@ -49,6 +54,8 @@ def two_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
+    old_env = {k: os.environ.get(k) for k in mlflow_server.client_env()}
+    os.environ.update(mlflow_server.client_env())  # before Ray starts: its workers inherit them
     bad = tmp / "bad"
     bad.mkdir()
     good = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
@@ -60,7 +67,11 @@ def two_runs(tmp_path_factory):
     seed = random.randrange(1 << 30)
     kills = []
     try:
-        m2 = run_job(_job(tmp, uri, 2))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            m2 = run_job(_job(tmp, mlflow_server.url, 2))
+        print(printed.getvalue())
+        M2.update(printed=printed.getvalue(), server=mlflow_server)
         failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
             f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
             "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
@@ -77,6 +88,8 @@ def two_runs(tmp_path_factory):
         chaos = job.join()
     finally:
         ray.shutdown()
+        for k, v in old_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,
                  rows=(tmp / "rows-M2", tmp / "rows-chaos"))
     from mlflow.tracking import MlflowClient
@@ -86,18 +99,47 @@ def two_runs(tmp_path_factory):
 
 
 CHAOS: dict = {}
+M2: dict = {}  # what the M=2 job printed, and the server it logged to
 
 
 def test_m2_job_lands_in_mlflow(two_runs):
-    client, m2, _ = two_runs
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.config import DERIVED_PARAM_PREFIXES, DERIVED_PARAMS, defaults
+
+    _, m2, _ = two_runs
     assert m2.status == "FINISHED", m2.error
-    run = client.get_run(m2.run_id)
+    old = {k: os.environ.get(k) for k in M2["server"].client_env()}
+    os.environ.update(M2["server"].client_env())
+    try:
+        client = MlflowClient(M2["server"].url)
+        run = client.get_run(m2.run_id)
+        sharding_plan = json.loads(Path(client.download_artifacts(m2.run_id, "sharding_plan.json")).read_text())
+        check_m2_run(client, m2, run, sharding_plan, DERIVED_PARAMS, DERIVED_PARAM_PREFIXES, defaults)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defaults):
     assert run.info.status == "FINISHED"
     p = run.data.params
-    assert p["num_groups"] == "2" and p["world_size"] == "4" and p["group_size"] == "2"
-    assert p["sync_every"] == "5" and p["moment_scale"] == "2.0" and p["layout"] == "host-local"
+    assert p["grid.num_groups"] == "2" and p["grid.world_size"] == "4" and p["derived.group_size"] == "2"
+    assert p["grid.sync_every"] == "5" and p["optim.moment_scale"] == "2.0" and p["grid.layout"] == "host-local"
+    assert p["derived.workers_per_node"] == "4" and p["derived.nodes"] == "1"
     assert p["versions.torch"].startswith("2.13") and "versions.ray" in p and "versions.torchrec" in p
-    assert all(f"sharding.t_C{i}" in p for i in range(1, 27))
+    # each param once: a config key, or a documented derived one; the per-table plan is an artifact
+    config_keys = set(defaults().to_flat_dict())
+    strays = {k for k in p if k not in config_keys and k not in derived and not k.startswith(derived_prefixes)}
+    assert not strays, f"params that are neither config keys nor in config.DERIVED_PARAMS: {sorted(strays)}"
+    leaves = [k.rsplit(".", 1)[-1] for k in p if not k.startswith("versions.")]
+    assert len(leaves) == len(set(leaves)), sorted(k for k in leaves if leaves.count(k) > 1)
+    assert len(sharding_plan) == 26 and not any(k.startswith("sharding.") for k in p)
+    # the system metrics of the one node: a 60-step job records some
+    assert any(k.startswith("system/") and k.endswith("/cpu_utilization_percentage") for k in run.data.metrics), \
+        sorted(run.data.metrics)
     for name in ("train/qps", "memory/peak_mb_max", "memory/peak_mb_mean", "imbalance/lookup_max_over_mean",
                  "eval/ne", "eval/auc", "train/loss", "train/ne", "time/lookup_s", "time/dense_s", "time/sync_s",
                  "time/data_wait_s", "sync/seconds_total"):
@@ -111,6 +153,37 @@ def test_m2_job_lands_in_mlflow(two_runs):
     assert final["sync/count"] == 12  # 60 steps / K=5
     assert final["eval/examples"] == 8000  # every eval row, once
     assert final["train/qps_median"] > 0
+
+
+def test_the_printed_mlflow_url_opens_the_run_on_the_server(two_runs):
+    """The line `recgrid train` prints names the run's page in MLflow 3.17's training view on the
+    tracking server; the server serves that page, and the experiment and run its path names are
+    the job's; the experiment's runs list shows NE, QPS and M as columns (its shared view)."""
+    import json
+    import re
+
+    from recgrid.tracking import RUNS_VIEW_TAG
+
+    _, m2, _ = two_runs
+    server = M2["server"]
+    (url,) = re.findall(r"^\[recgrid\] MLflow: (\S+)$", M2["printed"], flags=re.M)
+    page, _, route = url.partition("#")
+    assert page == server.url + "/" and route.endswith("?workflowType=machine_learning"), url
+    status, body = server.get(page)
+    assert status == 200 and b'<div id="root"' in body  # MLflow's single-page app
+    exp_id, run_id = re.fullmatch(r"/experiments/(\d+)/runs/([0-9a-f]{32})\?.*", route).groups()
+    assert run_id == m2.run_id
+    status, body = server.get(f"/ajax-api/2.0/mlflow/runs/get?run_id={run_id}")  # what the page asks
+    run = json.loads(body)["run"]
+    assert status == 200 and run["info"]["experiment_id"] == exp_id and run["info"]["status"] == "FINISHED"
+    status, body = server.get(f"/ajax-api/2.0/mlflow/experiments/get?experiment_id={exp_id}")
+    tags = {t["key"]: t["value"] for t in json.loads(body)["experiment"]["tags"]}
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    columns = json.loads(tags[RUNS_VIEW_TAG])["selectedColumns"]
+    metrics = {m["key"] for m in run["data"]["metrics"]}
+    params = {p["key"] for p in run["data"]["params"]}
+    shown = {c.split(".", 1)[1].strip("`") for c in columns if c.startswith(("metrics.", "params."))}
+    assert {"eval/ne", "train/qps_median", "grid.num_groups"} <= shown <= metrics | params
 
 
 def _train_cli(*overrides, env=None):

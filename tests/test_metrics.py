@@ -222,7 +222,7 @@ def test_readme_metrics_table_is_the_modules() -> None:
     doc = metrics.__doc__
     table = doc[doc.index("| name | meaning |"):]
     table = table[:table.index("\n\n")]
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
     begin, end = "<!-- metrics-table:begin -->\n", "\n<!-- metrics-table:end -->"
     assert readme[readme.index(begin) + len(begin):readme.index(end)] == table
     for phase in metrics.PHASES:  # every phase the trainer times is explained

@@ -15,7 +15,7 @@ Placement follows the layout (issue 14, acceptance 4) on the same cluster, whose
 packed (each holds exactly two workers): a layout the cluster cannot give is refused before any
 worker starts (first: every node is still there); the host-local job puts each replica group on
 one node, the inter-host (elastic) job each sharding group on a node of its own; both record
-`grid.nodes=2` and `grid/ranks.json` as their first attempt starts."""
+`derived.nodes=2` and `grid/ranks.json` as their first attempt starts."""
 
 import json
 import math
@@ -64,12 +64,12 @@ def _ranks(cfg, run_id: str) -> list[dict]:
 
 
 def _first_attempt_placement(cfg, st: dict) -> dict[int, str]:
-    """The first attempt's node per rank, checked against the run's `grid.nodes` and `grid/ranks.json`
+    """The first attempt's node per rank, checked against the run's `derived.nodes` and `grid/ranks.json`
     (both recorded as the attempt started, while it trains)."""
     first = {int(rank): w for rank, w in st["attempts"][0]["workers"].items()}
     client = mlflow_client(cfg)
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
-    assert run.data.params["grid.nodes"] == "2"
+    assert run.data.params["derived.nodes"] == "2"
     assert {(x["rank"], x["node"], x["pid"]) for x in _ranks(cfg, run.info.run_id) if x["attempt"] == 0} == \
         {(k, w["node"], w["pid"]) for k, w in first.items()}
     return {k: w["node"] for k, w in first.items()}

@@ -310,7 +310,8 @@ def test_job_succeeds_and_its_run_is_in_the_submitters_tracking_store(cluster, s
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
     p = run.data.params
-    assert (p["world_size"], p["num_groups"], p["group_size"], p["sync_every"]) == (str(T), str(M), "2", str(K))
+    assert (p["grid.world_size"], p["grid.num_groups"], p["derived.group_size"], p["grid.sync_every"]) == \
+        (str(T), str(M), "2", str(K))
     assert run.data.metrics["sync/count"] == STEPS // K and 0 < run.data.metrics["eval/auc"] <= 1
     # nothing went to a store under the cluster's copy of the working directory
     assert not list((cluster.tmp / "ray").rglob("mlflow.db"))

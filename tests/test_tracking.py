@@ -114,7 +114,9 @@ def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None
 def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -> None:
     """MLflow 3's UI shows an experiment without `mlflow.experimentKind = custom_model_development`
     as a GenAI overview of traces: new experiments carry it, existing ones get it."""
-    from recgrid.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+    import json
+
+    from recgrid.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, RUNS_VIEW_KEY
 
     client = MlflowClient(tracking_uri=store)
     parent = Tracker(experiment="t-kind", tracking_uri=store).start("sweep")
@@ -125,10 +127,24 @@ def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -
     # MLflow 3.17's UI shows GenAI views unless the page's URL asks for the training view
     assert parent.ui_url("artifacts") == (f"http://127.0.0.1:5000/#/experiments/{parent.experiment_id}/runs/"
                                           f"{parent.run_id}/artifacts?workflowType=machine_learning")
+    # the runs list opens on a view (shared through an experiment tag) with the columns that matter
+    assert parent.experiment_url() == (f"http://127.0.0.1:5000/#/experiments/{parent.experiment_id}/runs"
+                                       f"?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}")
+    view = json.loads(client.get_experiment(parent.experiment_id).tags[f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"])
+    assert {"metrics.`eval/ne`", "metrics.`train/qps_median`", "params.`grid.num_groups`"} <= set(view["selectedColumns"])
+    compare = parent.compare_url([child.run_id, parent.run_id])  # MLflow's compare-runs page, runs as JSON
+    route, query = compare.split("#", 1)[1].split("?", 1)
+    from urllib.parse import parse_qs
+
+    assert route == "/compare-runs" and json.loads(parse_qs(query)["runs"][0]) == [child.run_id, parent.run_id]
+    assert json.loads(parse_qs(query)["experiments"][0]) == [parent.experiment_id]
+    hint = parent.ui_hint()  # a local store: start the UI first
+    assert hint.startswith("MLflow: run `") and "ui --backend-store-uri" in hint and hint.endswith(parent.ui_url())
     old = client.create_experiment("t-kind-old")  # made by hand, or before recgrid tagged experiments
     client.set_experiment_tag(old, EXPERIMENT_KIND_TAG, "genai_development")
     Tracker(experiment="t-kind-old", tracking_uri=store).start("x")
     assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    assert f"mlflow.sharedViewState.{RUNS_VIEW_KEY}" in client.get_experiment(old).tags
 
 
 def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:

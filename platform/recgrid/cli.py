@@ -26,7 +26,7 @@ common verbs:
   recgrid keys [SECTION]                        every config key, its default and what it does
   recgrid plan / simulate                       choose M and K for a model and cluster
 """
-KEYS_EPILOG = "Config keys (for the YAML and --set): `recgrid keys`, or the README's configuration reference."
+KEYS_EPILOG = "Config keys (for the YAML and --set): `recgrid keys`, or docs/reference.md."
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

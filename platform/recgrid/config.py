@@ -153,7 +153,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path); a multiple of grid.sync_every, so replicas are identical when written; 0 = none."""
     storage_path: str | None = None
-    """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the repository (or $RECGRID_RUNS_DIR/ray)."""
+    """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
     """A storage checkpoint directory to start from, written by a job with the same model at any M or L (it is resharded); null = start fresh."""
     resize_check_s: float = 60.0
@@ -425,14 +425,9 @@ class JobConfig:
         return moment_scale_for(self.grid.num_groups, self.optim.moment_scale)
 
     def run_params(self) -> dict[str, Any]:
-        """The MLflow params of a job: every config value, plus T, M, L, K, c and the layout
-        under the names the paper uses."""
-        grid = self.build_grid()
-        return {
-            **self.to_flat_dict(),
-            "world_size": grid.world_size, "num_groups": grid.num_groups, "group_size": grid.group_size,
-            "sync_every": self.grid.sync_every, "moment_scale": self.moment_scale, "layout": grid.layout,
-        }
+        """The MLflow params of a job: every config key once (nulls resolved, as `to_flat_dict`),
+        plus `derived.group_size` (L). What else a run logs is in `DERIVED_PARAMS`."""
+        return {**self.to_flat_dict(), "derived.group_size": self.build_grid().group_size}
 
     @property
     def run_name(self) -> str:
@@ -468,6 +463,20 @@ class JobConfig:
         _check_keys(raw, source)
         sections = {name: SECTIONS[name](**(values or {})) for name, values in raw.items()}
         return cls(**sections, check_paths=check_paths)
+
+
+# Params a run carries that are not config keys (every config key is a param, once, under its
+# `section.field` name): values derived from the config or from where the job ran, each under one
+# name that no config key has.
+DERIVED_PARAMS: dict[str, str] = {
+    "derived.group_size": "L = T / M: workers in one sharding group",
+    "derived.workers_per_node": "workers per node as the grid placed them (attempt 0)",
+    "derived.nodes": "distinct nodes the first complete attempt ran on",
+    "derived.global_batch": "`recgrid compare`'s parent run: T x train.batch_size",
+}
+# prefixes of params that are not config keys either: the stack's versions (`Tracker.log_stack_versions`)
+# and `recgrid compare`'s own options on its parent run
+DERIVED_PARAM_PREFIXES = ("versions.", "compare.")
 
 
 def defaults(*overrides: str) -> JobConfig:
@@ -555,7 +564,7 @@ def _parse_scalar(text: str) -> Any:
 
 def field_docs() -> dict[str, str]:
     """`{"grid.world_size": "T: number of training workers ...", ...}`: each field's docstring,
-    read from this module's source (for the README and `--help`-style listings)."""
+    read from this module's source (for docs/reference.md and `--help`-style listings)."""
     tree = ast.parse(inspect.getsource(inspect.getmodule(JobConfig)))  # type: ignore[arg-type]
     classes = {c.__name__: s for s, c in SECTIONS.items()}
     docs: dict[str, str] = {}
@@ -570,8 +579,8 @@ def field_docs() -> dict[str, str]:
 
 
 def reference_table() -> str:
-    """The README's job config reference, as Markdown: every field's key, default and docstring
-    (the README holds exactly this between its config-table markers; a test checks it)."""
+    """docs/reference.md's job config reference, as Markdown: every field's key, default and docstring
+    (docs/reference.md holds exactly this between its config-table markers; a test checks it)."""
     docs, defaults = field_docs(), field_defaults()
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default in defaults.items():
@@ -665,5 +674,5 @@ def _matches(pattern: str) -> bool:
     return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
 
 
-if __name__ == "__main__":  # python -m recgrid.config: print the README's config reference
+if __name__ == "__main__":  # python -m recgrid.config: print docs/reference.md's config reference
     print(reference_table())

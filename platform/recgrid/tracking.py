@@ -7,8 +7,10 @@ FINISHED, or FAILED with the error text. `Tracker` is small enough to live on th
 on rank 0; `Tracker.attach(run_id)` lets a second process log into a run the first created.
 Experiments recgrid creates or starts runs in carry the tag `mlflow.experimentKind =
 custom_model_development` (training runs, not GenAI traces); MLflow 3.17's UI chooses its view
-from a browser-wide toggle instead, so `Tracker.ui_url()` gives pages in the training view. A
-sweep's runs are children of one parent run (`mlflow.parentRunId`).
+from a browser-wide toggle instead, so `Tracker.ui_url()` gives pages in the training view, and
+`Tracker.ui_hint()` is the line `recgrid train` prints. Experiments also carry a shared view of
+their runs list (`RUNS_VIEW_COLUMNS`: eval NE and AUC, QPS, M and K as columns), which
+`Tracker.experiment_url()` opens. A sweep's runs are children of one parent run (`mlflow.parentRunId`).
 `start_system_metrics(run_id, node_id)` logs MLflow's system metrics (CPU, memory, disk,
 network, GPU) of the node it runs on into a run: one per node.
 
@@ -53,6 +55,14 @@ PARENT_RUN_TAG = "mlflow.parentRunId"
 # (default GenAI, remembered in the browser), or from this in the page's URL
 UI_TRAINING_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+# The runs list's columns: MLflow 3.17's UI keeps a view (columns, order) it was asked to share in
+# the experiment tag `mlflow.sharedViewState.<key>` (JSON) and opens it from `viewStateShareKey=<key>`
+# in the page's URL. Column names are `<params|metrics>.`<key>``, as the UI writes them.
+RUNS_VIEW_KEY = "recgrid"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_COLUMNS = ("metrics.`eval/ne`", "metrics.`eval/auc`", "metrics.`train/qps_median`",
+                     "params.`grid.num_groups`", "params.`grid.sync_every`", "params.`grid.world_size`",
+                     "attributes.`Duration`")
 
 # MLflow's limits (mlflow/utils/validation.py), restated so we cut values before it refuses them.
 MAX_PARAM_VAL_LENGTH = 6000
@@ -184,7 +194,8 @@ class Tracker:
         if exp is None:
             try:
                 return self.client.create_experiment(self.experiment, artifact_location=self.artifact_location,
-                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND,
+                                                           RUNS_VIEW_TAG: runs_view()})
             except MlflowException:  # another job created it a moment ago
                 exp = self.client.get_experiment_by_name(self.experiment)
                 if exp is None:
@@ -193,6 +204,8 @@ class Tracker:
             self.client.restore_experiment(exp.experiment_id)
         if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # made before the tag, by hand, or by the UI's guess
             self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        if exp.tags.get(RUNS_VIEW_TAG) != runs_view():
+            self.client.set_experiment_tag(exp.experiment_id, RUNS_VIEW_TAG, runs_view())
         return exp.experiment_id
 
     # ---- the run --------------------------------------------------------------------------------
@@ -363,24 +376,63 @@ class Tracker:
         exe = str(mlflow_bin) if mlflow_bin.exists() else "mlflow"
         return f"{shlex.quote(exe)} ui --backend-store-uri {shlex.quote(uri)}"
 
+    @property
+    def served(self) -> bool:
+        """Whether the runs are on a tracking server (which serves the UI) rather than a local store."""
+        return self.tracking_uri.startswith(("http://", "https://"))
+
+    def _ui_base(self) -> str:
+        return redact_uri(self.tracking_uri, keep="").rstrip("/") if self.served else LOCAL_UI
+
     def ui_url(self, page: str = "") -> str:
         """The run's page in the MLflow UI's model-training view (`page`: a tab, e.g.
         "artifacts/compare/chart.png"): on the tracking server, or on `mlflow ui`'s default
         address for a local store. The URL names the view: MLflow 3.17's UI opens every
         experiment in its GenAI view until the browser is switched to "Model training"."""
-        uri = redact_uri(self.tracking_uri, keep="").rstrip("/")
-        base = uri if uri.startswith(("http://", "https://")) else LOCAL_UI
         path = f"/#/experiments/{self.experiment_id}/runs/{self._require_run()}" + (f"/{page}" if page else "")
-        return f"{base}{path}?{UI_TRAINING_VIEW}"
+        return f"{self._ui_base()}{path}?{UI_TRAINING_VIEW}"
+
+    def experiment_url(self) -> str:
+        """The experiment's runs list in the model-training view, with `RUNS_VIEW_COLUMNS` shown."""
+        self._require_run()
+        return (f"{self._ui_base()}/#/experiments/{self.experiment_id}/runs"
+                f"?{UI_TRAINING_VIEW}&viewStateShareKey={RUNS_VIEW_KEY}")
+
+    def compare_url(self, run_ids: list[str]) -> str:
+        """MLflow's page that compares `run_ids` (runs of this tracker's experiment) side by side:
+        every param and metric in one table, and the metric curves per run."""
+        import json
+        from urllib.parse import quote
+
+        self._require_run()
+        query = f"runs={quote(json.dumps(list(run_ids)))}&experiments={quote(json.dumps([self.experiment_id]))}"
+        return f"{self._ui_base()}/#/compare-runs?{query}&{UI_TRAINING_VIEW}"
+
+    def ui_hint(self) -> str:
+        """One line saying where to watch the run: its page, after `mlflow ui` for a local store."""
+        if self.served:
+            return f"MLflow: {self.ui_url()}"
+        return f"MLflow: run `{self.ui_command()}`, then open {self.ui_url()}"
+
+
+def runs_view() -> str:
+    """The value of the experiment tag `RUNS_VIEW_TAG`: the runs list's columns, newest run first."""
+    import json
+
+    return json.dumps({"selectedColumns": list(RUNS_VIEW_COLUMNS), "orderByKey": "attributes.start_time",
+                       "orderByAsc": False})
 
 
 # ---- system metrics ---------------------------------------------------------------------------------
 def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: str | None = None,
-                         sampling_interval_s: float = 10.0) -> Any:
+                         sampling_interval_s: float = 5.0) -> Any:
     """Log MLflow's system metrics of THIS node into `run_id` until the run ends: CPU and memory
     use, disk, network, and GPU utilisation and memory where NVML sees a GPU, as
     `system/<node_id>/<name>` every `sampling_interval_s` (MLflow's own
-    `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread.
+    `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread. MLflow's monitor logs
+    a sample only once its interval has passed and drops the one in progress when stopped, so
+    a node that trains for less than one interval records none: 5 s (MLflow's default is 10)
+    gives a 60-step demo a few points at one small request per node per interval.
 
     The monitor samples the machine it runs on, so call it once per node, in a process that
     lives as long as the training there (e.g. each node's local rank 0 worker); `node_id` names

@@ -153,8 +153,7 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
     swept = {"grid.num_groups", "grid.sync_every", "optim.moment_scale", "tracking.run_name"}
     params = {k: v for k, v in base.to_flat_dict().items() if k not in swept}
     params.update({"compare.groups": ",".join(map(str, groups)), "compare.sync_every": ",".join(map(str, syncs)),
-                   "compare.config": str(config_path), "world_size": T,
-                   "global_batch": T * base.train.batch_size})
+                   "compare.config": str(config_path), "derived.global_batch": T * base.train.batch_size})
     tracker = Tracker(base.tracking.experiment, base.tracking.tracking_uri)
     tracker.start(name, params=params, tags={"recgrid.kind": "compare", "launcher": "ray"})
     say(f"compare: {len(variants)} configurations ({', '.join(v.label for v in variants)}) at T={T}, global batch "
@@ -198,10 +197,11 @@ def run_compare(variants: list[Variant], config_path: str | Path = "") -> Compar
     seconds = time.perf_counter() - t0
     print("\n" + f"recgrid compare: {name} ({tracker.run_id}), {seconds:,.0f} s\n\n{markdown}", flush=True)
     local = not tracker.tracking_uri.startswith(("http://", "https://"))
+    children = [r["run_id"] for r in rows if r["run_id"]]
     print(("open the MLflow UI:  " + tracker.ui_command() + "\n  and then " if local else "in the MLflow UI, open ")
-          + f"{tracker.ui_url(f'artifacts/{ARTIFACT_DIR}/chart.png')}\n  for the chart and tables; its "
-          f"{len(rows)} child runs are listed under the parent {name!r} in experiment {base.tracking.experiment!r}: "
-          f"tick them and press Compare for every metric side by side\n", flush=True)
+          + f"{tracker.ui_url(f'artifacts/{ARTIFACT_DIR}/chart.png')}\n  for the chart and tables, and\n  "
+          f"{tracker.compare_url(children)}\n  for the {len(children)} child runs' params and metrics side by side\n",
+          flush=True)
     return CompareResult(tracker.run_id, "FAILED" if failed else "FINISHED", rows, reference["config"], markdown,
                          seconds)
 

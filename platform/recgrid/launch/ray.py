@@ -117,6 +117,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     tracker.log_stack_versions()
     say(f"MLflow run {tracker.run_id} ({config.run_name}) in experiment {config.tracking.experiment!r} "
         f"at {tracker.display_uri}")
+    say(tracker.ui_hint())
     status: dict[str, Any] = {}
     try:
         with Interrupts() as interrupts:
@@ -279,7 +280,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from recgrid.data.stream import scan_inputs
-    from recgrid.engine.sharding import plan_record, sharding_summary
+    from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
     from recgrid.train.placement import PLACEMENT_STRATEGY
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
@@ -290,7 +291,6 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     grid = config.build_grid()
     check_cluster(config)
     plan = job_plan(config)
-    tracker.log_params({"sharding": sharding_summary(plan)})
     tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
     train_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.train], spec)
     eval_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.eval], spec) if config.data.eval else None

@@ -77,7 +77,7 @@ def rank_records(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def record_ranks(run_id: str | None, tracking_uri: str | None, attempts: list[dict[str, Any]]) -> None:
     """Write the run's `grid/ranks.json` (every attempt so far: which process on which node is
-    which rank) and its param `grid.nodes`: the distinct nodes the first attempt whose workers
+    which rank) and its param `derived.nodes`: the distinct nodes the first attempt whose workers
     all registered ran on. Called once an attempt's workers are all in; rewrites the file."""
     if not run_id:
         return
@@ -86,7 +86,7 @@ def record_ranks(run_id: str | None, tracking_uri: str | None, attempts: list[di
     client = MlflowClient(tracking_uri=tracking_uri)
     client.log_text(run_id, json.dumps(rank_records(attempts), indent=1), RANKS_ARTIFACT)
     first = next(a for a in attempts if len(a["workers"]) == a["world_size"])
-    client.log_param(run_id, "grid.nodes", len({w["node"] for w in first["workers"].values()}))
+    client.log_param(run_id, "derived.nodes", len({w["node"] for w in first["workers"].values()}))
 
 
 def check_room_for_data(free_cpus: float, what: str) -> None:

@@ -374,12 +374,10 @@ class Reporter:
     def started(self, restored: Any, grid: Grid) -> None:
         import ray
 
-        from recgrid.engine.sharding import sharding_summary
-
         step = restored.step
         if self.tracker is not None and self.attempt == 0:
-            self.tracker.log_params({"sharding": sharding_summary(self.trainer.plan),
-                                     "grid.workers_per_node": grid.workers_per_node})
+            # the plan itself is the run's artifact sharding_plan.json (written by the driver)
+            self.tracker.log_params({"derived.workers_per_node": grid.workers_per_node})
         self.log_grid(grid.num_groups, grid.world_size, step)
         # the recovery gauges exist from the start (0 until a recovery), as dashboards expect
         events = [e for e in ray.get(self.coordinator.status.remote())["events"] if "seconds" in e]

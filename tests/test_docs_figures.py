@@ -1,0 +1,95 @@
+"""The figures docs/performance.md quotes are the committed bench/results files' (issue 17,
+acceptance 6): each is recomputed here from its file and looked up in the page, so a rerun of
+`make bench` that moves a figure fails until the page says the new one. Pure Python, no runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def page() -> str:
+    return re.sub(r"\s+", " ", (ROOT / "docs" / "performance.md").read_text())
+
+
+def said(text: str, *figures: str) -> None:
+    for f in figures:
+        assert re.sub(r"\s+", " ", f) in text, f"docs/performance.md does not say {f!r}"
+
+
+def listing(values: list[float], fmt: str = "{:.2f}") -> str:
+    """`a, b, c and d`, as the page writes a list of figures."""
+    out = [fmt.format(v) for v in values]
+    return ", ".join(out[:-1]) + " and " + out[-1]
+
+
+def test_simulate_figures():
+    text = page()
+    runs = json.loads((RESULTS / "simulate.json").read_text())["runs"]
+    t2 = runs["table2_1.7tb"]["summary"]
+    big = ["512", "1024", "2048", "4096"]
+    said(text, listing([t2["2d"][T]["scaling_factor"] for T in big]),
+         listing([t2["model_parallel"][T]["scaling_factor"] for T in big]))
+    rows = [r for r in runs["table2_1.7tb"]["rows"] if r["strategy"] == "model_parallel"]
+    assert not any(r["oom"] for r in rows)
+    peak = [r["peak_memory_gb"] for r in rows]
+    said(text, f"at most {max(r['memory_gb']['lookup_activations'] for r in rows):.1f} GB",
+         f"{min(peak):.0f}-{max(peak):.0f} GB in all")
+    for batch, cr1, cr4 in ((4096, "batch 4096: {}x", "{}x at CR = 4"), (1024, "batch 1024, {}x", "and {}x.")):
+        ranges = []
+        for cr in (1, 4):
+            rows = runs[f"dmt_0.5tb_b{batch}_cr{cr}"]["rows"]
+            mp = {r["gpus"]: r["qps"] for r in rows if r["strategy"] == "model_parallel"}
+            ratio = [r["qps"] / mp[r["gpus"]] for r in rows if r["strategy"] == "dmt"]
+            ranges.append(f"{min(ratio):.2f}-{max(ratio):.2f}")
+        said(text, cr1.format(ranges[0]), cr4.format(ranges[1]))
+
+
+def test_calibration_figures():
+    cal = json.loads((RESULTS / "calibrate_cpu.json").read_text())
+    pct = lambda rows: listing([r["error"] * 100 for r in rows], "{:+.0f}%")  # noqa: E731
+    said(page(), pct(cal["check"]["rows"]), pct(cal["check_microbenchmark_latencies"]["rows"]))
+
+
+def test_quality_figures():
+    text = page()
+    q = json.loads((RESULTS / "quality.json").read_text())
+    mp = {r["seed"]: r["eval_ne"] for r in q["runs"] if r["kind"] == "model_parallel"}
+    gap = {(r["num_groups"], r["c"], r["sync_every"], r["delayed"], r["seed"]): 100 * (r["eval_ne"] / mp[r["seed"]] - 1)
+           for r in q["runs"] if r["kind"] == "2d"}
+    pairs = [(M, K, s) for M in (4, 8) for K in (1, 5, 25) for s in mp]
+    wins = sum(gap[(M, "M", K, False, s)] < gap[(M, "1", K, False, s)] for M, K, s in pairs)
+    said(text, f"c = M beats c = 1 in {wins} of {len(pairs)} seed-paired runs")
+    k25 = {M: statistics.mean(gap[(M, "M", 25, False, s)] - gap[(M, "M", 5, False, s)] for s in mp) for M in (4, 8)}
+    assert all(gap[(M, "M", 25, False, s)] > gap[(M, "M", 5, False, s)] for M in (4, 8) for s in mp)
+    said(text, f"by {k25[8]:.2f} points on average at M = 8 and {k25[4]:.2f} at M = 4")
+    row = {(r["num_groups"], r["c"], r["sync_every"], r["delayed"]): r for r in q["table"] if r["kind"] == "2d"}
+    r = row[(8, "1", 1, False)]
+    said(text, f"{r['gap_pct_mean']:+.2f} ± {r['gap_pct_std']:.2f} at M = 8")
+    for K in (1, 5, 25):
+        for c in ("1", "M"):
+            cells = " | ".join(f"{row[(M, c, K, False)]['gap_pct_mean']:+.2f}".replace("-", "−") for M in (2, 4, 8))
+            said(text, f"| {K} | {c} | {cells} |")
+    moved = max(abs(row[(M, c, K, True)]["gap_pct_mean"] - row[(M, c, K, False)]["gap_pct_mean"])
+                for M in (2, 4, 8) for c in ("1", "M") for K in (1, 5, 25))
+    assert moved <= 0.08, moved
+    said(text, "no gap by more than 0.08 points")
+    e = q["embedding_learning_matters"]
+    said(text, f"M = 1 reaches eval NE {e['model_parallel_ne']:.3f} (a dense-only model {e['dense_only_ne']:.3f}, "
+               f"the planted model itself {e['bayes_ne']:.3f})")
+
+
+def test_towers_figures():
+    text = page()
+    t = json.loads((RESULTS / "towers.json").read_text())
+    for p in t["partitioner"]:
+        said(text, f"| {p['towers']} | {p['purity']:.3f} ({p['strided_purity']:.3f}) |")
+    for s in t["summary"]:
+        said(text, f"| {s['eval_ne']['mean']:.3f} ± {s['eval_ne']['std']:.3f} | {s['eval_auc']['mean']:.3f} ± "
+                   f"{s['eval_auc']['std']:.3f} | {s['step_time_s']['mean'] * 1000:.1f} | "
+                   f"{s['cross_host_bytes_per_step']:,.0f} | {s['cross_host_world_size']:.0f} |")
