@@ -153,7 +153,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     # the group count and recoveries only when they say something: an elastic job's change, a recovery
     skip = (() if metrics.get("grid/num_groups", g.num_groups) != g.num_groups else ("grid/num_groups",)) \
         + (() if metrics.get("recovery/count") else ("recovery/count",))
-    print(summary_table(heading, metrics, result.events, result.ui_command, skip), flush=True)
+    print(summary_table(heading, metrics, result.events, skip), flush=True)
     return result
 
 

@@ -56,9 +56,10 @@ def say(msg: str) -> None:
 
 
 def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], events: list[dict],
-                  ui_command: str, skip: tuple[str, ...] = ()) -> str:
+                  skip: tuple[str, ...] = ()) -> str:
     """The driver's end-of-job table: `heading` rows, the SUMMARY metrics the run has (a row whose
-    first metric is in `skip` is left out: nothing to say), and one line per recovery event."""
+    first metric is in `skip` is left out: nothing to say), and one line per recovery event. (How
+    to open the run in MLflow is printed once, as the job starts.)"""
     rows = list(heading)
     for label, fields in SUMMARY:
         values = [fmt.format(metrics[key]) for key, fmt in fields if key in metrics]
@@ -76,7 +77,7 @@ def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], eve
     title = " recgrid job summary "
     lines = [f"{'-' * 3}{title}{'-' * (width + 37 - len(title))}"]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
-    lines += ["-" * (width + 40), f"open the MLflow UI on these runs:  {ui_command}"]
+    lines += ["-" * (width + 40)]
     return "\n".join(lines)
 
 
