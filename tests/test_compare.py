@@ -88,7 +88,12 @@ def test_m1_child_differs_from_m2_only_where_it_should(sweep):
     f1, f2 = runs[1].metrics, runs[2].metrics
     assert f1["sync/count"] == 0 and f1["sync/bytes_total"] == 0
     assert f2["sync/count"] > 0 and f2["sync/bytes_total"] > 0
-    assert set(f1) == set(f2)  # the same metric series exist for both
+    # the same metric series exist for both (MLflow's system metrics aside: a sampler logs them only
+    # for runs that outlast its interval, which a 10-step child may or may not)
+    def series(f):
+        return {k for k in f if not k.startswith("system/")}
+
+    assert series(f1) == series(f2)
 
 
 def test_table_artifacts_and_relative_columns(sweep, tmp_path):
