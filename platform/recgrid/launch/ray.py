@@ -410,7 +410,6 @@ class Console:
 
     def __init__(self, control: Any) -> None:
         self.control, self.printed, self.last_step = control, 0, None
-        self.pending: Any = None
 
     def pump(self, timeout: float = 5.0) -> None:
         import ray
