@@ -259,7 +259,8 @@ def training_only(args) -> dict:
         ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False,
                  _system_config=LOCAL_SYSTEM_CONFIG)
         try:
-            return measure_training_qps(spec, prepared, 256, args.workers, num_groups=2, sync_every=5)
+            return measure_training_qps(spec, prepared, 256, args.workers, num_groups=2, sync_every=5,
+                                        rounds=args.rounds)
         finally:
             ray.shutdown()
     finally:
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=512, help="per-worker batch size")
     ap.add_argument("--spec", default="tiny")
     ap.add_argument("--repeat", type=int, default=2, help="runs per figure; the fastest counts")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="turns of the training-QPS measurement (memory, then stream); each mode's fastest counts")
     ap.add_argument("--training-only", action="store_true",
                     help="only the training QPS fed by Ray Data over fed from memory (demo model, T=--workers); "
                          "prints it, writes no file")
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             figures["input_per_core"] = bench_input_per_core(prepared, spec, args.batch_size, args.repeat)
             figures["ray_stream"] = bench_ray_stream(prepared, spec, args.batch_size, args.repeat)
-            figures["training_qps"] = measure_training_qps(spec, prepared, 256, args.workers)
+            figures["training_qps"] = measure_training_qps(spec, prepared, 256, args.workers, rounds=args.rounds)
         finally:
             ray.shutdown()
         result["figures"] = figures
