@@ -187,6 +187,74 @@ def test_restore_from_a_peer_snapshot_continues_identically(delayed):
         assert r["drift"] <= 1e-6
 
 
+def delayed_restore_by_group() -> dict:
+    """T=4, M=2, delayed moment sync: train to a sync step, split the snapshot as the Snapshotter
+    does (`shard_parts`: the shard position's copy, sent by sharding group 0, and every group's own
+    moments), and restore every rank as `Recovery` composes its shard (`compose_shard`)."""
+    from recgrid.train.recovery import compose_shard, shard_parts
+    from recgrid.train.trainer import Snapshot, Trainer
+
+    rank, T = dist.get_rank(), dist.get_world_size()
+    grid = Grid(T, 2)
+    a = Trainer.build(grid, _engine(grid, True), torch.device("cpu"))
+    a.run(random_batches(SPEC, 32, seed=rank), 6)  # step 6 is a sync: the state average is in flight
+    c = a.groups.coords
+    snap = a.snapshot()
+    nw, nk = a.weight_tensor_count(), a.kernel_tensor_count()
+    position, moments = shard_parts(snap.shard, nw, nk)
+    own_states = snap.shard[nw:nk]
+    a.state.sync.pending.settle()
+    landed = [x.clone() for x in a.state.sync.pending.averaged]  # what the failure-free run applies
+    gathered: list = [None] * T
+    dist.all_gather_object(gathered, (c.shard_rank, c.sharding_group, position, moments))
+    held = {f"shard/{j}": p for j, g, p, _ in gathered if g == 0}  # one copy per shard position
+    held.update({f"moments/{j}/{g}": m for j, g, _, m in gathered})  # one per (position, group)
+    b = Trainer.build(grid, _engine(grid, True), torch.device("cpu"))
+    shard = compose_shard(held[f"shard/{c.shard_rank}"], held[f"moments/{c.shard_rank}/{c.sharding_group}"])
+    b.load_snapshot(Snapshot(shard=shard, dense=snap.dense, progress=snap.progress, window=None), None)
+    b.state.sync.pending.settle()
+    group0 = held[f"moments/{c.shard_rank}/0"]
+    out = {
+        "position_is_weights": len(position) == nw and len(moments) == nk - nw,
+        "weights_exact": all(torch.equal(x, y) for x, y in zip(b.shard_tensors()[:nw], snap.shard[:nw])),
+        "states_own": all(torch.equal(x, y) for x, y in zip(b.shard_tensors()[nw:nk], own_states)),
+        "relaunched_exact": all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed)),
+        # one copy per position would relaunch the average over M copies of group 0's states: the
+        # mean of identical inputs is group 0's states, which is not the mean the run applies
+        "one_copy_would_differ": not all(torch.equal(x, y) for x, y in zip(group0, landed)),
+        "step": b.state.step,
+    }
+    a.close()
+    b.close()
+    return out
+
+
+def test_delayed_moment_sync_restores_each_groups_own_moments():
+    for r in run_local(delayed_restore_by_group, 4):
+        assert r["step"] == 6 and r["position_is_weights"]
+        assert r["one_copy_would_differ"]  # the replicas' states differ: a real test of the composition
+        assert r["weights_exact"] and r["states_own"] and r["relaunched_exact"]
+
+
+def test_restore_plan_needs_every_groups_moments_for_the_grids_m():
+    from recgrid.train.recovery import plan_restore
+
+    job = ["dense", "progress", "window/0"]
+    full = job + [f"shard/{j}" for j in range(2)] + [f"moments/{j}/{g}" for j in range(2) for g in range(2)]
+    inv = {"a": {10: full, 12: [k for k in full if k != "moments/1/1"]}, "b": {}}
+    plan = plan_restore(inv, group_size=2, num_groups=2)
+    assert plan["step"] == 10  # 12 lost group 1's moments of position 1: the older complete one
+    assert plan["where"]["moments/1/1"] == ["a"] and plan["windows"] == {"window/0": ["a"]}
+    assert plan_restore({"a": {12: inv["a"][12]}}, 2, 2)["missing"] == ["moments/1/1"]
+    shrunk = plan_restore(inv, group_size=2, num_groups=1)  # elastic: the average in flight was over M=2
+    assert shrunk["step"] is None and "sharding groups [0, 1] for a grid of M=1" in shrunk["missing"][0]
+    grown = plan_restore(inv, group_size=2, num_groups=3)
+    assert grown["step"] is None and grown["missing"] == ["moments/0/2", "moments/1/1", "moments/1/2"]  # of the newest
+    plain = {"a": {10: job + ["shard/0", "shard/1"]}}  # no delayed moment sync: one copy per position
+    assert plan_restore(plain, 2, 3)["step"] == 10
+    assert plan_restore(plain, 3, 3)["missing"] == ["shard/2"]
+
+
 def save_or_load(src: str, phase: str, M: int, dst: str | None = None) -> dict:
     """phase "save": train T=4, M=2 for 6 steps and write a storage checkpoint at the sync step.
     phase "load": build a trainer at this process group's T and M, load it, and write what the
