@@ -133,8 +133,12 @@ def _engine(grid, delayed=False):
 
 def snapshot_roundtrip(delayed: bool) -> dict:
     """Train 6 steps, snapshot, train 4 more; a second trainer restored from the snapshot of the
-    same shard position (the replica peer's copy) takes the same 4 steps."""
-    from recgrid.train.trainer import Trainer
+    same shard position (the replica peer's copy) takes the same 4 steps. With delayed moment sync
+    the restore is composed as the holders keep it (`shard_parts`: the position copy, sent by
+    sharding group 0, holds the weights; every group's own moments apart) and as `Recovery` loads
+    it (`compose_shard`)."""
+    from recgrid.train.recovery import compose_shard, shard_parts
+    from recgrid.train.trainer import Snapshot, Trainer
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
@@ -148,18 +152,29 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     if pending is not None:
         pending.settle()
         landed = [x.clone() for x in pending.averaged]
-    # hand every worker the copy its replica peer took (the other sharding group, same shard);
-    # with delayed moment sync the replicas' optimizer states differ between syncs by design,
-    # so there a worker takes its own copy
-    peers = grid.replica_groups[a.groups.coords.shard_rank]
-    peer = rank if delayed else next(r for r in peers if r != rank)
+    # hand every worker the copy its replica peer took (the other sharding group, same shard)
+    c = a.groups.coords
+    peers = grid.replica_groups[c.shard_rank]
     gathered: list = [None] * T
     dist.all_gather_object(gathered, snap)
-    mine = gathered[peer]
+    one_copy_would_differ = None
+    if delayed:  # the replicas' optimizer states differ between syncs by design: each group's own
+        parts = [shard_parts(s.shard, a.weight_tensor_count(), a.kernel_tensor_count()) for s in gathered]
+        sender = grid.global_rank(0, c.shard_rank)  # the position copy: sharding group 0's weights
+        mine = Snapshot(compose_shard(parts[sender][0], parts[rank][1]), gathered[sender].dense,
+                        gathered[sender].progress, gathered[sender].window)
+        # one copy per position would relaunch the average over M copies of group 0's states,
+        # whose mean is group 0's states: not the mean the failure-free run applies
+        one_copy_would_differ = not all(torch.equal(x, y) for x, y in zip(parts[sender][1], landed))
+    else:
+        mine = gathered[next(r for r in peers if r != rank)]
     after_a = [float(x) for x in a.run(iter(batches[6:]), 10).losses]
     b = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
     b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
+    # and equal to this worker's own state before the restore (weights, own states, own input)
+    own_exact = len(b.shard_tensors()) == len(snap.shard) and all(
+        torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))
     relaunched_exact = None
     if landed is not None:  # the restore relaunched the average from its input: the same result, bit for bit
         b.state.sync.pending.settle()
@@ -170,7 +185,8 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     b.close()
     drift = max((x - y).abs().max().item() for x, y in zip(a.shard_tensors(), b.shard_tensors()))
     return {"a": after_a, "b": after_b, "step": b.state.step, "restored_exact": restored_exact,
-            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact}
+            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact,
+            "own_exact": own_exact, "one_copy_would_differ": one_copy_would_differ}
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -179,61 +195,14 @@ def test_restore_from_a_peer_snapshot_continues_identically(delayed):
         assert r["step"] == 10
         assert len(r["a"]) == len(r["b"]) == 4
         assert r["restored_exact"] and r["dense_exact"]  # the peer's copy, bit for bit
+        assert r["own_exact"]  # = the worker's own state (with delayed moment sync: its own group's states)
         if delayed:  # taking the snapshot left the delayed average in flight; the restore relaunched it
-            assert r["in_flight"] and r["relaunched_exact"]
+            assert r["in_flight"] and r["relaunched_exact"]  # over every group's own input: the run's mean
+            assert r["one_copy_would_differ"]  # the replicas' states differ: the composition is tested
         # then the same training: the CPU kernels' float sums are not bit-reproducible run to run
         # (1 ulp), so the continuation is compared as test_engine compares M=1 with plain DMP
         assert max(abs(x - y) for x, y in zip(r["a"], r["b"])) <= 1e-6
         assert r["drift"] <= 1e-6
-
-
-def delayed_restore_by_group() -> dict:
-    """T=4, M=2, delayed moment sync: train to a sync step, split the snapshot as the Snapshotter
-    does (`shard_parts`: the shard position's copy, sent by sharding group 0, and every group's own
-    moments), and restore every rank as `Recovery` composes its shard (`compose_shard`)."""
-    from recgrid.train.recovery import compose_shard, shard_parts
-    from recgrid.train.trainer import Snapshot, Trainer
-
-    rank, T = dist.get_rank(), dist.get_world_size()
-    grid = Grid(T, 2)
-    a = Trainer.build(grid, _engine(grid, True), torch.device("cpu"))
-    a.run(random_batches(SPEC, 32, seed=rank), 6)  # step 6 is a sync: the state average is in flight
-    c = a.groups.coords
-    snap = a.snapshot()
-    nw, nk = a.weight_tensor_count(), a.kernel_tensor_count()
-    position, moments = shard_parts(snap.shard, nw, nk)
-    own_states = snap.shard[nw:nk]
-    a.state.sync.pending.settle()
-    landed = [x.clone() for x in a.state.sync.pending.averaged]  # what the failure-free run applies
-    gathered: list = [None] * T
-    dist.all_gather_object(gathered, (c.shard_rank, c.sharding_group, position, moments))
-    held = {f"shard/{j}": p for j, g, p, _ in gathered if g == 0}  # one copy per shard position
-    held.update({f"moments/{j}/{g}": m for j, g, _, m in gathered})  # one per (position, group)
-    b = Trainer.build(grid, _engine(grid, True), torch.device("cpu"))
-    shard = compose_shard(held[f"shard/{c.shard_rank}"], held[f"moments/{c.shard_rank}/{c.sharding_group}"])
-    b.load_snapshot(Snapshot(shard=shard, dense=snap.dense, progress=snap.progress, window=None), None)
-    b.state.sync.pending.settle()
-    group0 = held[f"moments/{c.shard_rank}/0"]
-    out = {
-        "position_is_weights": len(position) == nw and len(moments) == nk - nw,
-        "weights_exact": all(torch.equal(x, y) for x, y in zip(b.shard_tensors()[:nw], snap.shard[:nw])),
-        "states_own": all(torch.equal(x, y) for x, y in zip(b.shard_tensors()[nw:nk], own_states)),
-        "relaunched_exact": all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed)),
-        # one copy per position would relaunch the average over M copies of group 0's states: the
-        # mean of identical inputs is group 0's states, which is not the mean the run applies
-        "one_copy_would_differ": not all(torch.equal(x, y) for x, y in zip(group0, landed)),
-        "step": b.state.step,
-    }
-    a.close()
-    b.close()
-    return out
-
-
-def test_delayed_moment_sync_restores_each_groups_own_moments():
-    for r in run_local(delayed_restore_by_group, 4):
-        assert r["step"] == 6 and r["position_is_weights"]
-        assert r["one_copy_would_differ"]  # the replicas' states differ: a real test of the composition
-        assert r["weights_exact"] and r["states_own"] and r["relaunched_exact"]
 
 
 def test_restore_plan_needs_every_groups_moments_for_the_grids_m():
