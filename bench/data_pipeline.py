@@ -253,7 +253,11 @@ def training_only(args) -> dict:
     try:
         rows = args.workers * 256 * 140  # warm-up + timed steps of every worker, and some to spare
         prepared = write_synth(os.path.join(work, "prepared"), rows, args.files, "parquet", spec, seed=0)
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
+        from recgrid.cluster import LOCAL_SYSTEM_CONFIG
+
+        # the local cluster `recgrid train` starts keeps idle workers as long (recgrid.cluster)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False,
+                 _system_config=LOCAL_SYSTEM_CONFIG)
         try:
             return measure_training_qps(spec, prepared, 256, args.workers, num_groups=2, sync_every=5)
         finally:
@@ -295,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         figures = bench_parse(raw, args.rows, spec, args.repeat)
         # one logical CPU beyond the cores: T workers at 0.5 CPU plus read tasks must fit at once;
         # the dashboard serves the state API that Ray Train's placement-group cleaner polls
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False)
+        from recgrid.cluster import LOCAL_SYSTEM_CONFIG
+
+        # the local cluster `recgrid train` starts keeps idle workers as long (recgrid.cluster)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False,
+                 _system_config=LOCAL_SYSTEM_CONFIG)
         try:
             prepared = os.path.join(work, "prepared")
             figures["prepare_ray"] = bench_prepare_ray(

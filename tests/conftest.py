@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from faults import TRAIN_POLL
+from faults import TRAIN_SUITE_ENV
 
 # every Ray cluster the suite starts inherits this process's environment: Ray Train's controllers
-# of local jobs (recgrid's own clusters, `ray start`) poll as the test clusters' runtime env says
-for _name, _value in TRAIN_POLL.items():
+# of local jobs (recgrid's own clusters, `ray start`) run as the test clusters' runtime env says
+for _name, _value in TRAIN_SUITE_ENV.items():
     os.environ.setdefault(_name, _value)
 
 _EXIT = {"status": 0}

@@ -112,10 +112,12 @@ def ray_env() -> dict[str, str]:
     """Environment for the jobs' Ray workers: quiet, and quick to give up on a worker group that
     cannot start (an elastic job retries with fewer workers)."""
     return {"PYTHONWARNINGS": "ignore", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **TRAIN_POLL}
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **TRAIN_SUITE_ENV}
 
 
 # Ray Train's controller polls its worker group every 2 s by default: the end of every job and
 # the death of a worker are seen that much later. The suite's jobs are short; 0.5 s keeps them so.
-TRAIN_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+# Its preemption watcher (an actor per worker group start, for nodes Ray drains: none here) costs
+# every start a process and about 1 s; the suite tests no preemption.
+TRAIN_SUITE_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 

@@ -23,6 +23,8 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from recgrid.cluster import LOCAL_SYSTEM_CONFIG  # as `recgrid train`'s own local clusters
+
     # the head: 2 CPUs, all of them taken by the 4 training workers (0.5 each), and the only
     # "trainer" resource; the second node: 2 CPUs and nothing else
     # its own dashboard port: the state API is served by the dashboard, and another Ray instance on
@@ -31,7 +33,8 @@ def cluster():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 4},
-                                                      "include_dashboard": True, "dashboard_port": port})
+                                                      "include_dashboard": True, "dashboard_port": port,
+                                                      "_system_config": LOCAL_SYSTEM_CONFIG})
     cpu_node = c.add_node(num_cpus=2)
     ray.init(address=c.address, runtime_env={"env_vars": ray_env()}, logging_level="WARNING")
     c.wait_for_nodes()

@@ -32,7 +32,9 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    from recgrid.cluster import LOCAL_SYSTEM_CONFIG  # as `recgrid train`'s own local clusters
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": LOCAL_SYSTEM_CONFIG})
     nodes = [_worker_node(c) for _ in range(2)]
     ray.init(address=c.address, runtime_env={"env_vars": ray_env()}, logging_level="WARNING")
     c.wait_for_nodes()

@@ -8,7 +8,8 @@ actors, which outlive every worker group (job control, `train.control`: attempts
 heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
 translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
 `LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
-`train.worker.train_worker` (or `train_replica` for torchft) as their body. When Ray Train is done it
+`train.worker.train_worker` (or `train_replica` for torchft) as their body, through
+`train.entry` (light to import: Ray Train's controller unpickles it). When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
 
 The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
@@ -285,7 +286,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.train.placement import PLACEMENT_STRATEGY
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
-    from recgrid.train.worker import WorkerJob, train_replica, train_worker
+    from recgrid.train.entry import pack, restart_worker, torchft_worker
+    from recgrid.train.worker import WorkerJob
 
     spec = config.dataset_spec()
     grid = config.build_grid()
@@ -316,8 +318,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
     trainer = TorchTrainer(
-        train_loop_per_worker=train_worker if t.fault_tolerance == "restart" else train_replica,
-        train_loop_config={"job": job},
+        train_loop_per_worker=restart_worker if t.fault_tolerance == "restart" else torchft_worker,
+        train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=t.use_gpu,

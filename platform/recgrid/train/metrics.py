@@ -81,7 +81,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torchrec.metrics.ne import compute_cross_entropy, compute_ne
 
 from recgrid.engine.device import Stopwatch, collective_device, peak_memory_mb, pipelined, stopwatch, synchronizer
 
@@ -105,24 +104,27 @@ def prediction_sums(
     """The additive sums of one batch: [cross-entropy (bits), weight, pos, neg, correct, pred].
 
     `predictions` are probabilities (apply `torch.sigmoid` to logits), `labels` in {0, 1}.
-    Cross-entropy is computed as `torchrec.metrics.ne.compute_cross_entropy` does.
+    Cross-entropy is `torchrec.metrics.ne.compute_cross_entropy`'s formula (in bits, predictions
+    clamped to [ETA, 1-ETA]), written out: importing `torchrec.metrics` costs every worker about
+    1 s of start-up (torchmetrics, matplotlib). `tests/test_metrics.py` checks it against TorchRec's.
     """
     p = predictions.detach().reshape(-1).double().clamp(ETA, 1.0 - ETA)
     y = labels.detach().reshape(-1).double()
     w = torch.ones_like(p) if weights is None else weights.detach().reshape(-1).double()
-    ce = compute_cross_entropy(y, p, w, ETA)
+    ce = -w * y * torch.log2(p) - w * (1.0 - y) * torch.log2(1.0 - p)
     hit = (p >= 0.5).double()
     correct = w * (y * hit + (1.0 - y) * (1.0 - hit))
     return torch.stack([ce.sum(), w.sum(), (w * y).sum(), (w * (1.0 - y)).sum(), correct.sum(), (w * p).sum()])
 
 
 def ne_from_sums(ce_sum: float, weight: float, pos: float, neg: float, eta: float = ETA) -> float:
-    """Normalized entropy from summed states, the formula of `torchrec.metrics.ne.compute_ne`."""
+    """Normalized entropy from summed states, the formula of `torchrec.metrics.ne.compute_ne`: the
+    cross-entropy over that of always predicting the (clamped) base rate, in float64."""
     if weight <= 0:
         return math.nan
-    f64 = dict(dtype=torch.float64)
-    ne = float(compute_ne(torch.tensor(ce_sum, **f64), torch.tensor(weight, **f64), torch.tensor(pos, **f64),
-                          torch.tensor(neg, **f64), eta))
+    base = min(max(pos / max(weight, eta), eta), 1.0 - eta)
+    norm = -pos * math.log2(base) - neg * math.log2(1.0 - base)
+    ne = ce_sum / norm if norm else math.inf
     return ne if math.isfinite(ne) else math.nan
 
 

@@ -453,6 +453,7 @@ class ReplicaReport:
         self.report: Reporter | None = None  # while this replica is the quorum's rank 0
         self.live: int | None = None
         self.synced_live: int | None = None  # live replicas at this replica's last sync
+        self.digests_left = 0  # syncs whose table digest this replica still notes (`committed`)
         self.events_logged: set[int] = set()
         self.first_step_done = False
 
@@ -486,12 +487,17 @@ class ReplicaReport:
         if not self.first_step_done:
             self.first_step_done = True
             self._record_start()
-        if step % self.job.engine.sync_every == 0 and live != self.synced_live:
-            # the first sync after the live count changed (a newcomer's first): every replica notes its
-            # tables, which must then be the same on all of them (no collective: notes go to job control)
-            self.control.note.remote(self.attempt, self.replica, {f"digest@{step}": kernel_digest(self.trainer),
-                                                                  f"live@{step}": live})
-            self.synced_live = live
+        if step % self.job.engine.sync_every == 0:
+            if live != self.synced_live:
+                self.synced_live, self.digests_left = live, 2
+            if self.digests_left:
+                # the first two syncs after the live count changed (a newcomer's first): every replica
+                # notes its tables, which must then be the same on all of them (no collective: notes go
+                # to job control). Two, because a newcomer that heals in the round of a sync step may
+                # commit its first sync a round later than the replicas that were live.
+                self.control.note.remote(self.attempt, self.replica, {f"digest@{step}": kernel_digest(self.trainer),
+                                                                      f"live@{step}": live})
+                self.digests_left -= 1
 
     def say(self, msg: str) -> None:
         self.control.say.remote(f"[recgrid] {msg}")
