@@ -133,8 +133,12 @@ def _engine(grid, delayed=False):
 
 def snapshot_roundtrip(delayed: bool) -> dict:
     """Train 6 steps, snapshot, train 4 more; a second trainer restored from the snapshot of the
-    same shard position (the replica peer's copy) takes the same 4 steps."""
-    from recgrid.train.trainer import Trainer
+    same shard position (the replica peer's copy) takes the same 4 steps. With delayed moment sync
+    the restore is composed as the holders keep it (`shard_parts`: the position copy, sent by
+    sharding group 0, holds the weights; every group's own moments apart) and as `Recovery` loads
+    it (`compose_shard`)."""
+    from recgrid.train.recovery import compose_shard, shard_parts
+    from recgrid.train.trainer import Snapshot, Trainer
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
@@ -148,18 +152,29 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     if pending is not None:
         pending.settle()
         landed = [x.clone() for x in pending.averaged]
-    # hand every worker the copy its replica peer took (the other sharding group, same shard);
-    # with delayed moment sync the replicas' optimizer states differ between syncs by design,
-    # so there a worker takes its own copy
-    peers = grid.replica_groups[a.groups.coords.shard_rank]
-    peer = rank if delayed else next(r for r in peers if r != rank)
+    # hand every worker the copy its replica peer took (the other sharding group, same shard)
+    c = a.groups.coords
+    peers = grid.replica_groups[c.shard_rank]
     gathered: list = [None] * T
     dist.all_gather_object(gathered, snap)
-    mine = gathered[peer]
+    one_copy_would_differ = None
+    if delayed:  # the replicas' optimizer states differ between syncs by design: each group's own
+        parts = [shard_parts(s.shard, a.weight_tensor_count(), a.kernel_tensor_count()) for s in gathered]
+        sender = grid.global_rank(0, c.shard_rank)  # the position copy: sharding group 0's weights
+        mine = Snapshot(compose_shard(parts[sender][0], parts[rank][1]), gathered[sender].dense,
+                        gathered[sender].progress, gathered[sender].window)
+        # one copy per position would relaunch the average over M copies of group 0's states,
+        # whose mean is group 0's states: not the mean the failure-free run applies
+        one_copy_would_differ = not all(torch.equal(x, y) for x, y in zip(parts[sender][1], landed))
+    else:
+        mine = gathered[next(r for r in peers if r != rank)]
     after_a = [float(x) for x in a.run(iter(batches[6:]), 10).losses]
     b = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
     b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
+    # and equal to this worker's own state before the restore (weights, own states, own input)
+    own_exact = len(b.shard_tensors()) == len(snap.shard) and all(
+        torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))
     relaunched_exact = None
     if landed is not None:  # the restore relaunched the average from its input: the same result, bit for bit
         b.state.sync.pending.settle()
@@ -170,7 +185,8 @@ def snapshot_roundtrip(delayed: bool) -> dict:
     b.close()
     drift = max((x - y).abs().max().item() for x, y in zip(a.shard_tensors(), b.shard_tensors()))
     return {"a": after_a, "b": after_b, "step": b.state.step, "restored_exact": restored_exact,
-            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact}
+            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact,
+            "own_exact": own_exact, "one_copy_would_differ": one_copy_would_differ}
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -179,12 +195,33 @@ def test_restore_from_a_peer_snapshot_continues_identically(delayed):
         assert r["step"] == 10
         assert len(r["a"]) == len(r["b"]) == 4
         assert r["restored_exact"] and r["dense_exact"]  # the peer's copy, bit for bit
+        assert r["own_exact"]  # = the worker's own state (with delayed moment sync: its own group's states)
         if delayed:  # taking the snapshot left the delayed average in flight; the restore relaunched it
-            assert r["in_flight"] and r["relaunched_exact"]
+            assert r["in_flight"] and r["relaunched_exact"]  # over every group's own input: the run's mean
+            assert r["one_copy_would_differ"]  # the replicas' states differ: the composition is tested
         # then the same training: the CPU kernels' float sums are not bit-reproducible run to run
         # (1 ulp), so the continuation is compared as test_engine compares M=1 with plain DMP
         assert max(abs(x - y) for x, y in zip(r["a"], r["b"])) <= 1e-6
         assert r["drift"] <= 1e-6
+
+
+def test_restore_plan_needs_every_groups_moments_for_the_grids_m():
+    from recgrid.train.recovery import plan_restore
+
+    job = ["dense", "progress", "window/0"]
+    full = job + [f"shard/{j}" for j in range(2)] + [f"moments/{j}/{g}" for j in range(2) for g in range(2)]
+    inv = {"a": {10: full, 12: [k for k in full if k != "moments/1/1"]}, "b": {}}
+    plan = plan_restore(inv, group_size=2, num_groups=2)
+    assert plan["step"] == 10  # 12 lost group 1's moments of position 1: the older complete one
+    assert plan["where"]["moments/1/1"] == ["a"] and plan["windows"] == {"window/0": ["a"]}
+    assert plan_restore({"a": {12: inv["a"][12]}}, 2, 2)["missing"] == ["moments/1/1"]
+    shrunk = plan_restore(inv, group_size=2, num_groups=1)  # elastic: the average in flight was over M=2
+    assert shrunk["step"] is None and "sharding groups [0, 1] for a grid of M=1" in shrunk["missing"][0]
+    grown = plan_restore(inv, group_size=2, num_groups=3)
+    assert grown["step"] is None and grown["missing"] == ["moments/0/2", "moments/1/1", "moments/1/2"]  # of the newest
+    plain = {"a": {10: job + ["shard/0", "shard/1"]}}  # no delayed moment sync: one copy per position
+    assert plan_restore(plain, 2, 3)["step"] == 10
+    assert plan_restore(plain, 3, 3)["missing"] == ["shard/2"]
 
 
 def save_or_load(src: str, phase: str, M: int, dst: str | None = None) -> dict:

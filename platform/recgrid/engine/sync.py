@@ -85,7 +85,9 @@ class PendingAverage:
     """A delayed moment sync's state average in flight: the states as they were at the sync
     that launched it (`snapshot`: the average's input, never written again), and the buffers the
     average lands in (`averaged`). A trainer's snapshot keeps the input and a restore relaunches
-    the average (`ReplicaSync.launch_state_average`), so a snapshot never waits for it."""
+    the average (`ReplicaSync.launch_state_average`), so a snapshot never waits for it. The input
+    is each replica-group member's own (the states differ between syncs), so an exact restore
+    relaunches it on every member with that member's own input."""
 
     snapshot: list[torch.Tensor]
     averaged: list[torch.Tensor]

@@ -28,10 +28,25 @@ group there sends it, into its slot file; the others hold the same bits after th
 the dense part and the progress. A generation is complete when the live holders together have
 every shard position 0..L-1, the dense part and the progress.
 
+With delayed moment sync (M > 1) the replicas' optimizer states differ between syncs by design
+(each replica's own updates since the last average), and the average launched at the snapshot's
+sync is still in flight. So there the position copy holds the weights only (the same on every
+replica after the sync), and every worker also hands its node's holder its own optimizer states
+("moments/<j>/<g>": shard position j, sharding group g; 1/dim of the weights for row-wise
+AdaGrad, through the object store), which right after the sync are also the in-flight average's
+input. A restore gives each worker its position's weights and its own group's states, and every
+worker relaunches the average with its own input: the failure-free run's state, bit for bit. A
+generation holding moments is complete only with "moments/<j>/<g>" for every j < L and every g
+< M of the restoring grid; with another M (an elastic attempt) or a group's moments lost with
+its node, no in-memory restore is exact, so the plan skips that generation (an older complete one,
+else the storage checkpoint, whose docstring says what it drops; the log says which moments were
+missing). Without delayed moment sync the replicas are identical at a sync, and one copy per
+position is exact.
+
 Restore order, decided by global rank 0 and told to every worker (`Recovery.restore`):
   1. the newest complete in-memory generation: each worker takes its shard position from its
      own node's holder if it has one, else from a holder on another node (a peer sharding
-     group's copy). No storage read.
+     group's copy), and with delayed moment sync its own group's moments. No storage read.
   2. else Ray Train's newest storage checkpoint (some shard has no surviving copy: M = 1 and a
      node lost, or a host holding whole replica groups in the host-local layout), and the log
      and the run say so. The choice comes from what the live holders report, not from the layout.
@@ -114,12 +129,71 @@ def digest(arrays: Sequence[np.ndarray]) -> str:
     return f"{crc:08x}-{sum(int(a.nbytes) for a in arrays)}"
 
 
+def shard_parts(shard: Sequence[Any], weights: int, kernel: int) -> tuple[list[Any], list[Any] | None]:
+    """A snapshot's shard (`Trainer.shard_tensors()`: `weights` embedding weights, then optimizer
+    states up to `kernel`, then a delayed average's input if one is in flight) split into what the
+    holders keep: (the shard position's copy, this sharding group's own moments). Without an
+    average in flight: (the whole shard, None). With one: (the weights, the average's input),
+    which right after the sync that launched it (a snapshot point) are also the live states."""
+    if len(shard) == kernel:
+        return list(shard), None
+    if len(shard) != 2 * kernel - weights:
+        raise ValueError(f"a shard of {len(shard)} tensors is neither {kernel} kernel tensors nor those plus "
+                         f"{kernel - weights} moments in flight")
+    return list(shard[:weights]), list(shard[kernel:])
+
+
+def compose_shard(position: Sequence[Any], moments: Sequence[Any] | None) -> list[Any]:
+    """The shard a worker loads (`Trainer.load_snapshot`): its position's copy, and with delayed
+    moment sync its own group's moments as both its optimizer states and the input of the average
+    it relaunches (the inverse of `shard_parts`)."""
+    return list(position) if moments is None else [*position, *moments, *moments]
+
+
+def plan_restore(inventories: dict[str, dict[int, list[str]]], group_size: int, num_groups: int,
+                 lost: Sequence[str] = ()) -> dict[str, Any]:
+    """The newest generation that `inventories` (node -> step -> keys held) hold completely for a
+    grid of L = `group_size` shard positions and M = `num_groups` sharding groups, where each key
+    is, and otherwise what the newest generation misses (for the log).
+
+    Complete: every "shard/<j>" (j < L), "dense" and "progress"; and for a generation holding
+    moments (delayed moment sync) "moments/<j>/<g>" for every j < L and g < M, and none for a
+    group g >= M. A generation of another M (an elastic attempt: the average in flight was over
+    the old M's states) or one that lost some group's moments cannot be restored exactly, so it
+    is skipped like any incomplete generation: an older complete one is used, else none (the
+    caller then falls back to the storage checkpoint and says why)."""
+    base = [f"shard/{j}" for j in range(group_size)] + ["dense", "progress"]
+    steps = sorted({s for inv in inventories.values() for s in inv}, reverse=True)
+    missing_newest: list[str] = base
+    for step in steps:
+        held = {k for inv in inventories.values() for k in inv.get(step, [])}
+        moments = sorted(k for k in held if k.startswith("moments/"))
+        needed = list(base)
+        missing: list[str] = []
+        if moments:
+            needed += [f"moments/{j}/{g}" for j in range(group_size) for g in range(num_groups)]
+            groups = {int(k.rsplit("/", 1)[1]) for k in moments}
+            if max(groups) >= num_groups:
+                missing.append(f"moments of sharding groups {sorted(groups)} for a grid of M={num_groups} "
+                               f"(delayed moment sync: the average in flight was over another M)")
+        where = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, [])) for k in needed}
+        missing = [k for k, nodes in where.items() if not nodes] + missing
+        if step == steps[0]:
+            missing_newest = missing
+        if not missing:
+            windows = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, []))
+                       for k in sorted(k for k in held if k.startswith("window/"))}
+            return {"step": step, "where": where, "windows": windows, "lost_nodes": list(lost)}
+    return {"step": None, "missing": missing_newest, "lost_nodes": list(lost), "generations": steps}
+
+
 class SnapshotHolderImpl:
     """One node's in-memory snapshots: generation (step) -> key -> what holds the payload.
 
-    Keys: "shard/<j>" (shard position j: a list of arrays), "dense" (name -> array), "progress"
-    (the job's progress), "window/<rank>" (a worker's NE window). A shard is normally in one of
-    the key's two slot files, which this holder owns and the sender wrote in place
+    Keys: "shard/<j>" (shard position j: a list of arrays), "moments/<j>/<g>" (with delayed
+    moment sync: sharding group g's own optimizer states for position j), "dense" (name ->
+    array), "progress" (the job's progress), "window/<rank>" (a worker's NE window). A shard is
+    normally in one of the key's two slot files, which this holder owns and the sender wrote in place
     (`reserve` / `commit`; held as {"path", "slot", "layout"}). Every other payload, and a shard
     when there is no room in shared memory, arrives as a view of an object the sending worker
     owns and is copied, once, into an object of this holder's (`ray.put` here; held as [ref]):
@@ -313,9 +387,10 @@ class RecoveryCoordinatorImpl:
         except Exception:  # noqa: BLE001 - a dead node's holder answers with an error or not at all
             return False
 
-    def restore_plan(self, group_size: int, restore_to: int | None = None) -> dict[str, Any]:
-        """The newest generation the live holders together hold completely, where each key is,
-        and which shard positions no live holder has (for the log when there is none)."""
+    def restore_plan(self, group_size: int, num_groups: int) -> dict[str, Any]:
+        """The newest generation the live holders together hold completely for a grid of L =
+        `group_size` and M = `num_groups` (`plan_restore`), where each key is, and which keys no
+        live holder has (for the log when there is none)."""
         import ray
 
         inventories: dict[str, dict[int, list[str]]] = {}
@@ -326,19 +401,7 @@ class RecoveryCoordinatorImpl:
             except Exception:  # noqa: BLE001 - the node is gone, and its copies with it
                 lost.append(node)
                 del self.holders[node]
-        needed = [f"shard/{j}" for j in range(group_size)] + ["dense", "progress"]
-        steps = sorted({s for inv in inventories.values() for s in inv}, reverse=True)
-        missing_newest: list[str] = needed
-        for step in steps:
-            where = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, [])) for k in needed}
-            missing = [k for k, nodes in where.items() if not nodes]
-            if step == steps[0]:
-                missing_newest = missing
-            if not missing:
-                windows = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, []))
-                           for k in {k for inv in inventories.values() for k in inv.get(step, []) if k.startswith("window/")}}
-                return {"step": step, "where": where, "windows": windows, "lost_nodes": lost}
-        return {"step": None, "missing": missing_newest, "lost_nodes": lost, "generations": steps}
+        return plan_restore(inventories, group_size, num_groups, lost)
 
     def drop_after(self, step: int) -> None:
         import ray
@@ -462,10 +525,22 @@ class Snapshotter(_WorkerSide):
         self._settle()
         # every worker's own NE window (a few KiB; the restore sums them)
         payload: dict[str, Any] = {f"window/{self.rank}": snap.window.numpy()}
+        c = self.groups.coords
+        position, moments = shard_parts(snap.shard, self.trainer.weight_tensor_count(),
+                                        self.trainer.kernel_tensor_count())
+        if moments is not None:  # delayed moment sync: this group's own states (replicas differ in them)
+            last = self.trainer.state.sync.last
+            if last is None or last.step != step:
+                raise RuntimeError(f"snapshot at step {step} is not right after a replica sync (last: "
+                                   f"{None if last is None else last.step}): its optimizer states are not "
+                                   f"the delayed average's input")
+            # before "dense" and "progress" (the holder puts keys in order): a generation with the
+            # job's state but no moments is never mistaken for one taken without delayed moment sync
+            payload[f"moments/{c.shard_rank}/{c.sharding_group}"] = [_numpy(t) for t in moments]
         if self.sends_shard():
-            key = f"shard/{self.groups.coords.shard_rank}"
-            if not self._write_slot(step, key, snap.shard):
-                payload[key] = [_numpy(t) for t in snap.shard]
+            key = f"shard/{c.shard_rank}"
+            if not self._write_slot(step, key, position):
+                payload[key] = [_numpy(t) for t in position]
         if self.sends_job_state():
             payload["dense"] = {k: v.numpy() for k, v in snap.dense.items()}
             payload["progress"] = {"progress": snap.progress}
@@ -475,12 +550,15 @@ class Snapshotter(_WorkerSide):
 
     def prepare(self) -> None:
         """Before training: have the node's holder create this worker's two slot files (when it
-        sends its shard position's copy) and map them here, so snapshots only copy."""
+        sends its shard position's copy: the weights only with delayed moment sync) and map them
+        here, so snapshots only copy."""
         import ray
 
         if not self.sends_shard():
             return
-        _, nbytes = shard_layout(self.trainer.shard_tensors())
+        t = self.trainer
+        count = t.weight_tensor_count() if t.delays_moments else t.kernel_tensor_count()
+        _, nbytes = shard_layout(t.shard_tensors()[:count])
         for path in ray.get(self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}", nbytes)) or []:
             self._map(path, nbytes)
 
@@ -612,7 +690,7 @@ class Recovery(_WorkerSide):
             status = ray.get(self.control.status.remote())
             failure_step = status["last_step"]  # heartbeats are throttled: at least this far (see below)
             storage_checkpoint = ray.get(self.coordinator.latest_checkpoint.remote([storage_checkpoint]))
-            plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size))
+            plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size, self.grid.num_groups))
             stored_step = checkpoint_step(storage_checkpoint) if storage_checkpoint else None
             if plan["step"] is not None and (stored_step is None or plan["step"] >= stored_step):
                 failure_step = max(failure_step, plan["step"])  # the job reached every snapshot it holds
@@ -623,10 +701,13 @@ class Recovery(_WorkerSide):
             if storage_checkpoint:
                 lost = ", ".join(plan["lost_nodes"]) or "none"
                 missing = ", ".join(plan.get("missing") or []) or "none"
+                moments = any(k.startswith("moments") for k in plan.get("missing") or [])
                 return {"source": "storage", "path": storage_checkpoint, "failure_step": failure_step,
                         "missing": plan.get("missing", []), "lost_nodes": plan["lost_nodes"],
-                        "why": f"no complete in-memory copy survives (missing: {missing}; nodes lost: {lost}); "
-                               f"restoring from the storage checkpoint {storage_checkpoint}"}
+                        "why": f"no complete in-memory copy survives (missing: {missing}; nodes lost: {lost})"
+                               + ("; with delayed moment sync an exact restore needs every sharding group's own "
+                                  "optimizer states" if moments else "")
+                               + f"; restoring from the storage checkpoint {storage_checkpoint}"}
             if len(status["attempts"]) > 1 and not resume_from:
                 held = ", ".join(map(str, plan.get("generations", []))) or "none"
                 missing = ", ".join(plan.get("missing") or []) or "none"
@@ -637,9 +718,10 @@ class Recovery(_WorkerSide):
             return {"source": "resume", "path": resume_from, "why": f"resuming from the checkpoint {resume_from}"}
         return {"source": "fresh"}
 
-    def _restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, str]:
-        """Fetch this worker's shard position, the dense part and the progress from the holders
-        (this node's first) and load them. Returns where the shard came from."""
+    def _restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, Any]:
+        """Fetch this worker's shard position (with delayed moment sync: its weights, and this
+        sharding group's own moments: `compose_shard`), the dense part and the progress from the
+        holders (this node's first) and load them. Returns where the shard came from."""
         import ray
         import torch
 
@@ -660,8 +742,12 @@ class Recovery(_WorkerSide):
             via[key] = "object store"
             return ray.get(held[0])  # mapped from this node's object store (moved here if it lives elsewhere)
 
-        key = f"shard/{self.groups.coords.shard_rank}"
+        c = self.groups.coords
+        key, moments_key = f"shard/{c.shard_rank}", f"moments/{c.shard_rank}/{c.sharding_group}"
         shard, dense, progress = fetch(key), fetch("dense"), fetch("progress")
+        moments = fetch(moments_key) if moments_key in where else None
+        position = len(shard)
+        shard = compose_shard(shard, moments)
         window = None
         if self.rank == 0:  # the NE window: the sum of every surviving worker's (a metric, not the model)
             where.update(plan.get("windows", {}))
@@ -671,26 +757,49 @@ class Recovery(_WorkerSide):
 
         trainer.load_snapshot(Snapshot(shard=[_tensor(a) for a in shard], dense={k: _tensor(v) for k, v in dense.items()},
                                        progress=progress["progress"], window=None), window)
-        return {"key": key, "node": chosen[key], "tensors": len(shard), "via": via[key]}
+        out = {"key": key, "node": chosen[key], "tensors": position, "via": via[key]}
+        if moments is not None:
+            out.update(moments_key=moments_key, moments_node=chosen[moments_key], moments_tensors=len(moments),
+                       moments_via=via[moments_key])
+        return out
 
-    def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, str]) -> dict[str, Any]:
-        """This worker's restored shard checksum beside the holder copy's: bit for bit or an error."""
+    def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, Any]) -> dict[str, Any]:
+        """This worker's restored shard checksum beside the holder copy's: bit for bit or an error.
+        With delayed moment sync, two checks: the weights against the position copy, and both the
+        optimizer states and the relaunched average's input against this group's moments copy
+        (`digest` and `source_digest` then join the two checksums with "+")."""
         import ray
 
-        holder = ray.get(self.coordinator.holder_for.remote(fetched["node"]))
-        source = ray.get(holder.digest_of.remote(step, fetched["key"]))
-        restored = digest([_numpy(t) for t in trainer.shard_tensors()[:fetched["tensors"]]])
-        if restored != source:
-            raise RuntimeError(f"{fetched['key']} restored from node {fetched['node']} differs from the copy held "
-                               f"there ({restored} != {source})")
-        return {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": restored, "source_digest": source,
-                "from_node": fetched["node"], "same_node": fetched["node"] == self.node, "via": fetched["via"]}
+        tensors = trainer.shard_tensors()
+        checks = [(fetched["key"], fetched["node"], [tensors[:fetched["tensors"]]])]
+        if "moments_key" in fetched:
+            k, n = trainer.kernel_tensor_count(), fetched["moments_tensors"]
+            checks.append((fetched["moments_key"], fetched["moments_node"], [tensors[k - n:k], tensors[k:k + n]]))
+        restored, source = [], []
+        for key, node, parts in checks:
+            holder = ray.get(self.coordinator.holder_for.remote(node))
+            held = ray.get(holder.digest_of.remote(step, key))
+            for part in parts:
+                got = digest([_numpy(t) for t in part])
+                if got != held:
+                    raise RuntimeError(f"{key} restored from node {node} differs from the copy held there "
+                                       f"({got} != {held})")
+            restored.append(got)
+            source.append(held)
+        out = {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": "+".join(restored),
+               "source_digest": "+".join(source), "from_node": fetched["node"],
+               "same_node": fetched["node"] == self.node, "via": fetched["via"]}
+        if "moments_key" in fetched:
+            out.update(moments_from_node=fetched["moments_node"], moments_via=fetched["moments_via"])
+        return out
 
     def replica_digests(self, trainer: "Trainer") -> list[str]:
-        """Every replica-group member's shard digest (collective in the replica group)."""
+        """Every replica-group member's shard digest (collective in the replica group): weights and
+        optimizer states, or with delayed moment sync the weights only (the states differ by design)."""
         import torch.distributed as dist
 
-        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:trainer.kernel_tensor_count()]])
+        count = trainer.weight_tensor_count() if trainer.delays_moments else trainer.kernel_tensor_count()
+        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:count]])
         out: list[Any] = [None] * dist.get_world_size(self.groups.replica_pg)
         dist.all_gather_object(out, mine, group=self.groups.replica_pg)
         return out

@@ -634,14 +634,28 @@ class Trainer:
         """This worker's shards, as views of the kernels' storage: weights, optimizer states, and
         with delayed moment sync the input of the state average in flight (the states as they
         were at the sync that launched it: never written, so reading it waits for nothing; a
-        restore relaunches the average from it, `load_snapshot`)."""
+        restore relaunches the average from it, `load_snapshot`). The weights are the same on
+        every member of a replica group right after a sync; with delayed moment sync the
+        optimizer states and the average's input are this worker's own (they equal each other
+        right after a sync), so in-memory copies keep them per sharding group
+        (`train.recovery.shard_parts`)."""
         pending = self.state.sync.pending
         extra = list(pending.snapshot) if pending is not None else []
         return embedding_weights(self.model) + optimizer_states(self.model) + extra
 
+    def weight_tensor_count(self) -> int:
+        """How many of `shard_tensors()` are embedding weights (the first ones)."""
+        return len(embedding_weights(self.model))
+
     def kernel_tensor_count(self) -> int:
         """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average's input)."""
         return len(embedding_weights(self.model)) + len(optimizer_states(self.model))
+
+    @property
+    def delays_moments(self) -> bool:
+        """Whether the optimizer states are averaged one sync late (delayed moment sync over M > 1):
+        then the replicas' states differ between syncs, by design."""
+        return self.config.delayed_moment_sync and self.replica_sync.enabled
 
     def snapshot(self, copy: bool = True) -> Snapshot:
         """This worker's share of the state (no collective, and no wait for a delayed average in
@@ -658,7 +672,11 @@ class Trainer:
         peer's): the inverse of `snapshot`. `window` is the NE window summed over the workers
         (global rank 0 keeps it; None: start a fresh window). A snapshot holding a delayed state
         average's input relaunches that average over the replica group (collective there: every
-        worker of the grid loads its snapshot at the same point, as a restore does)."""
+        worker of the grid loads its snapshot at the same point, as a restore does). With delayed
+        moment sync the optimizer states and that input differ between replicas, so an exact
+        restore gives each worker a shard whose weights are its position's and whose states and
+        input are its own sharding group's (`train.recovery.compose_shard`): every member then
+        relaunches the average with its own input, as the collective that was in flight had."""
         states = optimizer_states(self.model)
         kernel = embedding_weights(self.model) + states
         shard = snap.shard
@@ -675,7 +693,7 @@ class Trainer:
         if self.state.sync.pending is not None:  # this trainer's own average: landed, then forgotten
             self.state.sync.pending.settle()
         self.state.sync.pending = None
-        if rest and self.config.delayed_moment_sync and self.replica_sync.enabled:
+        if rest and self.delays_moments:
             self.state.sync.pending = self.replica_sync.launch_state_average([t.to(self.device).clone() for t in rest])
         self.load_dense_state(snap.dense)
         self._load_progress(snap.progress, window)
