@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 
@@ -267,6 +268,11 @@ def run_layout(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not sys.stdout.isatty():
+        # Ray's log deduplicator colours its "[repeated Nx across cluster]" suffix whatever the
+        # output (RAY_COLOR_PREFIX=0 does not reach it), and reads its switch once, when Ray is
+        # imported: before that, here. What Ray prints then comes without colour codes, each line whole.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     return int(handler(args) or 0)
