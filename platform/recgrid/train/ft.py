@@ -99,11 +99,13 @@ class HealTransport:
         self.trainer, self.replica = trainer, replica
         self.heals: list[dict[str, Any]] = []  # heals of this replica, newest last
         self.unseen_heal = False  # set by `load`, cleared by the component (the data cursor moved)
+        self.sent = 0  # heals this replica sent to a peer (`state_dict`)
 
     def state_dict(self) -> dict[str, Any]:
         # contiguous copies: PGTransport sends a tensor's whole storage, and the kernels' views share one
         snap = self.trainer.snapshot(copy=False)
         snap.shard = [t.detach().clone() for t in snap.shard]
+        self.sent += 1
         return {"snapshot": snap.to_dict(), "from": self.replica,
                 "digest": digest([t.cpu().numpy() for t in snap.shard])}
 

@@ -454,6 +454,7 @@ class ReplicaReport:
         self.live: int | None = None
         self.synced_live: int | None = None  # live replicas at this replica's last sync
         self.digests_left = 0  # syncs whose table digest this replica still notes (`committed`)
+        self.heals_sent = 0  # `heal.sent` at this replica's last digest decision
         self.events_logged: set[int] = set()
         self.first_step_done = False
 
@@ -488,8 +489,10 @@ class ReplicaReport:
             self.first_step_done = True
             self._record_start()
         if step % self.job.engine.sync_every == 0:
-            if live != self.synced_live:
-                self.synced_live, self.digests_left = live, 2
+            if live != self.synced_live or self.heal.sent != self.heals_sent:
+                # the live count changed, or this replica healed a newcomer (which may rejoin before
+                # this replica's quorum ever counted it gone)
+                self.synced_live, self.heals_sent, self.digests_left = live, self.heal.sent, 2
             if self.digests_left:
                 # the first two syncs after the live count changed (a newcomer's first): every replica
                 # notes its tables, which must then be the same on all of them (no collective: notes go
