@@ -557,8 +557,7 @@ class Snapshotter(_WorkerSide):
         if not self.sends_shard():
             return
         t = self.trainer
-        count = t.weight_tensor_count() if t.delays_moments else t.kernel_tensor_count()
-        _, nbytes = shard_layout(t.shard_tensors()[:count])
+        _, nbytes = shard_layout(t.shard_tensors()[:t.replica_tensor_count()])
         for path in ray.get(self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}", nbytes)) or []:
             self._map(path, nbytes)
 
@@ -798,8 +797,7 @@ class Recovery(_WorkerSide):
         optimizer states, or with delayed moment sync the weights only (the states differ by design)."""
         import torch.distributed as dist
 
-        count = trainer.weight_tensor_count() if trainer.delays_moments else trainer.kernel_tensor_count()
-        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:count]])
+        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:trainer.replica_tensor_count()]])
         out: list[Any] = [None] * dist.get_world_size(self.groups.replica_pg)
         dist.all_gather_object(out, mine, group=self.groups.replica_pg)
         return out

@@ -651,6 +651,11 @@ class Trainer:
         """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average's input)."""
         return len(embedding_weights(self.model)) + len(optimizer_states(self.model))
 
+    def replica_tensor_count(self) -> int:
+        """How many of `shard_tensors()` are the same on every member of a replica group right
+        after a sync: the weights and optimizer states, or with delayed moment sync the weights only."""
+        return self.weight_tensor_count() if self.delays_moments else self.kernel_tensor_count()
+
     @property
     def delays_moments(self) -> bool:
         """Whether the optimizer states are averaged one sync late (delayed moment sync over M > 1):
