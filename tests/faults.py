@@ -81,6 +81,21 @@ def training(st: dict, attempt: int, past_step: int = 0) -> bool:
             and st["last_step"] > past_step)
 
 
+def row_log_step(directory: Path, attempt: int, rank: int) -> int:
+    """The newest step rank `rank` of attempt `attempt` finished, from its row log (0: none yet):
+    read as the worker writes it, so a test can act at an exact step (the job's heartbeat lags by
+    up to a second)."""
+    try:
+        with open(Path(directory) / f"rows-a{attempt:03d}-r{rank:03d}.bin", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() < 16:
+                return 0
+            f.seek(f.tell() - 16)
+            return int(np.frombuffer(f.read(16), dtype=np.int64)[0])
+    except FileNotFoundError:
+        return 0
+
+
 def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """What a job trained, from its row log: step -> row ids of the attempt that last trained
     the step (the timeline that survived), and attempt -> rows it trained that a later attempt

@@ -12,12 +12,13 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from faults import BackgroundJob, row_audit, training
+from faults import BackgroundJob, row_audit, row_log_step, training
 from recgrid.train import recovery
 from recgrid.config import load_config
 
@@ -27,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _job(tmp: Path, uri: str, groups: int, extra: list[str] = ()):
     return load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp}/data/train/*.parquet", f"data.eval={tmp}/data/eval/*.parquet",
-        "data.synth_rows=60000", "data.synth_eval_rows=8000",
+        "data.synth_rows=40000", "data.synth_eval_rows=8000",
         "grid.world_size=4", f"grid.num_groups={groups}", "grid.sync_every=5",
-        "train.max_steps=100", "train.batch_size=128", "train.log_every=20", "train.eval_every=50",
+        "train.max_steps=60", "train.batch_size=128", "train.log_every=20", "train.eval_every=30",
         f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher", f"data.row_log={tmp}/rows-M{groups}",
         *extra,
     ])
@@ -78,15 +79,17 @@ def two_runs(tmp_path_factory, mlflow_server):
             "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed"]))
         rng = random.Random(seed)
         job = BackgroundJob(chaos_cfg)
-        # the job's step reaches this test through a heartbeat of at most one a second (about 15
-        # steps here), so each kill lands up to ~20 steps past `at`: the second still leaves syncs
-        for attempt, (low, high) in enumerate(((K + 1, 25), (50, 65))):
-            at = rng.randint(low, high)  # after the first sync
-            st = job.wait_for(lambda s: training(s, attempt, at))
-            rank = rng.randrange(T)
+        # each kill lands once the victim's row log shows step `at` (a step or so past it): the
+        # job's heartbeat would lag it by up to a second, about 15 steps here
+        for attempt, (low, high) in enumerate(((K + 1, 20), (30, 45))):
+            at, rank = rng.randint(low, high), rng.randrange(T)  # after the first sync
+            st = job.wait_for(lambda s: training(s, attempt))
             pid = st["attempts"][attempt]["workers"][rank]["pid"]
+            while (step := row_log_step(tmp / "rows-chaos", attempt, rank)) < at:
+                assert job.thread.is_alive(), job.result
+                time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
-            kills.append({"attempt": attempt, "step": st["last_step"], "rank": rank, "pid": pid})
+            kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
         chaos = job.join()
     finally:
         ray.shutdown()
@@ -139,7 +142,7 @@ def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defa
     leaves = [k.rsplit(".", 1)[-1] for k in p if not k.startswith("versions.")]
     assert len(leaves) == len(set(leaves)), sorted(k for k in leaves if leaves.count(k) > 1)
     assert len(sharding_plan) == 26 and not any(k.startswith("sharding.") for k in p)
-    # the system metrics of the one node: a 100-step job records some
+    # the system metrics of the one node: a 60-step job records some
     assert any(k.startswith("system/") and k.endswith("/cpu_utilization_percentage") for k in run.data.metrics), \
         sorted(run.data.metrics)
     for name in ("train/qps", "memory/peak_mb_max", "memory/peak_mb_mean", "imbalance/lookup_max_over_mean",
@@ -147,12 +150,12 @@ def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defa
                  "time/data_wait_s", "sync/seconds_total"):
         history = client.get_metric_history(m2.run_id, name)
         assert history, f"no {name} series"
-    assert len(client.get_metric_history(m2.run_id, "train/qps")) == 5  # steps 20, 40, 60, 80, 100
-    assert [m.step for m in client.get_metric_history(m2.run_id, "eval/ne")] == [50, 100]
+    assert len(client.get_metric_history(m2.run_id, "train/qps")) == 3  # steps 20, 40, 60
+    assert [m.step for m in client.get_metric_history(m2.run_id, "eval/ne")] == [30, 60]
     final = run.data.metrics
     assert final["eval/ne"] < 1.0
     assert 0.5 < final["eval/auc"] <= 1.0
-    assert final["sync/count"] == 20  # 100 steps / K=5
+    assert final["sync/count"] == 12  # 60 steps / K=5
     assert final["eval/examples"] == 8000  # every eval row, once
     assert final["train/qps_median"] > 0
 
