@@ -108,7 +108,8 @@ def test_sigint_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path):
         assert "eval at step" not in out  # the final evaluation was skipped
         # the console: recgrid's lines, unprefixed, nothing of Ray's own, no colour codes
         assert "\x1b" not in out
-        for noise in ("TrainController", "PreemptionWatcher", "RayTrainWorker", "pid=", "Token authentication"):
+        for noise in ("TrainController", "PreemptionWatcher", "RayTrainWorker", "pid=", "Token authentication",
+                      "PYTHON worker processes have been started"):
             assert noise not in out, out
     finally:
         if proc.poll() is None:
