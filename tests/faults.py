@@ -85,8 +85,10 @@ def row_log_step(directory: Path, attempt: int, rank: int) -> int:
     """The newest step rank `rank` of attempt `attempt` finished, from its row log (0: none yet):
     read as the worker writes it, so a test can act at an exact step (the job's heartbeat lags by
     up to a second)."""
+    from recgrid.train.worker import row_log_file
+
     try:
-        with open(Path(directory) / f"rows-a{attempt:03d}-r{rank:03d}.bin", "rb") as f:
+        with open(row_log_file(str(directory), attempt, rank), "rb") as f:
             f.seek(0, os.SEEK_END)
             if f.tell() < 16:
                 return 0

@@ -65,9 +65,8 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
 
     reads = [t for t in list_tasks(cluster["address"], filters=[("type", "=", "NORMAL_TASK")], limit=10_000,
                                      detail=True, timeout=30)
-             if "ReadUnits" in t.name]
-    # a read task the stream submitted but cancelled when training ended was never placed (node None)
-    reads = [t for t in reads if t.node_id is not None]
+             # a read task the stream submitted but cancelled when training ended was never placed (node None)
+             if "ReadUnits" in t.name and t.node_id is not None]
     # 4 training streams and 4 evaluation streams, each at least one read task
     assert len(reads) >= 8, [t.name for t in reads]
     assert {t.node_id for t in reads} == {cluster["cpu_node"]}  # the head had no CPU left for them

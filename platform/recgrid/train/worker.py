@@ -308,7 +308,7 @@ class RowLog:
 
     def __init__(self, directory: str, attempt: int, rank: int) -> None:
         os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(os.path.join(directory, f"rows-a{attempt:03d}-r{rank:03d}.bin"),
+        self.fd = os.open(row_log_file(directory, attempt, rank),
                           os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def on_step(self, trainer: Trainer, out: Any, batch: Any) -> None:
@@ -322,6 +322,11 @@ class RowLog:
             return
         ids = np.asarray(row_ids, dtype=np.int64)
         os.write(self.fd, np.stack([np.full_like(ids, step), ids], axis=1).tobytes())
+
+
+def row_log_file(directory: str, attempt: int, rank: int) -> str:
+    """The file `RowLog` writes for rank `rank` of attempt `attempt` under `directory`."""
+    return os.path.join(directory, f"rows-a{attempt:03d}-r{rank:03d}.bin")
 
 
 def read_row_logs(directory: str) -> dict[tuple[int, int], Any]:
