@@ -16,6 +16,42 @@ for _name, _value in TRAIN_SUITE_ENV.items():
 
 _EXIT = {"status": 0}
 
+# Modules whose in-process jobs share one local Ray cluster: the one `recgrid train` starts for the
+# demo job (`shared_ray`). They run last, one after another, so that cluster starts once (each start,
+# with its first Ray Data stream, cost a module 15-20 s). Modules that start a cluster of their own
+# (other shapes, nodes, `ray start`) run before them and shut theirs down.
+SHARED_CLUSTER_MODULES = ("test_compare.py", "test_data_prepare.py", "test_data_streams.py",
+                          "test_launcher.py", "test_torchft.py")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    items.sort(key=lambda item: item.path.name in SHARED_CLUSTER_MODULES)  # stable: the order within stays
+
+
+@pytest.fixture(scope="session")
+def shared_ray(mlflow_server):
+    """The local cluster `recgrid train jobs/local_demo.yaml` starts (`launch.ray.connect_ray`: its
+    CPUs, system config and workers' env vars), for the SHARED_CLUSTER_MODULES; jobs run on it
+    one after another, as on any cluster. Its workers get the suite's MLflow server credentials
+    in their environment, as the Ray pods get them from their Secret."""
+    import ray
+
+    from recgrid.config import load_config
+    from recgrid.launch.ray import connect_ray
+
+    if ray.is_initialized():  # a module that runs before the group left its cluster up
+        ray.shutdown()
+    old = {k: os.environ.get(k) for k in mlflow_server.client_env()}
+    os.environ.update(mlflow_server.client_env())  # the raylet's environment, which its workers inherit
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        connect_ray(load_config(os.path.join(os.path.dirname(__file__), "..", "jobs", "local_demo.yaml")))
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    yield
+    ray.shutdown()
+
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):

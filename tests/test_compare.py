@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,7 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    import ray
-
+def sweep(tmp_path_factory, shared_ray):
     tmp = tmp_path_factory.mktemp("compare")
     uri = f"sqlite:///{tmp}/mlflow.db"
     overrides = [f"data.train={tmp}/data/train/*.parquet", f"data.eval={tmp}/data/eval/*.parquet",
@@ -44,11 +41,7 @@ def sweep(tmp_path_factory):
                  f"train.max_steps={STEPS}", "train.batch_size=64", "train.log_every=5", "train.eval_every=0",
                  f"train.storage_path={tmp}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=test-compare"]
     variants = plan_sweep(DEMO, [1, 2], None, overrides)
-    os.environ.pop("RAY_ADDRESS", None)
-    try:
-        result = run_compare(variants, DEMO)
-    finally:
-        ray.shutdown()
+    result = run_compare(variants, DEMO)
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri), result
@@ -165,7 +158,7 @@ def test_only_a_configuration_s_own_failures_let_the_sweep_go_on():
     assert not is_configuration_fault("ClusterError: cannot join the Ray cluster") and not is_configuration_fault(None)
 
 
-def test_sweep_stops_at_the_first_failure_that_is_not_the_configuration_s(tmp_path):
+def test_sweep_stops_at_the_first_failure_that_is_not_the_configuration_s(tmp_path, shared_ray):
     """The data vanish after the sweep was validated (an unmounted volume): the first configuration
     fails, the sweep stops there with one FAILED child and says why, and the parent run is FAILED."""
     import ray
@@ -182,11 +175,7 @@ def test_sweep_stops_at_the_first_failure_that_is_not_the_configuration_s(tmp_pa
     variants = plan_sweep(DEMO, [1, 2], None, overrides)
     for f in (tmp_path / "train").iterdir():
         f.unlink()
-    os.environ.pop("RAY_ADDRESS", None)
-    try:
-        result = run_compare(variants, DEMO)
-    finally:
-        ray.shutdown()
+    result = run_compare(variants, DEMO)
     assert result.status == "FAILED" and [r["status"] for r in result.rows] == ["FAILED"]
     assert "CriteoDataError" in result.rows[0]["error"]
     client = MlflowClient(tracking_uri=uri)

@@ -12,7 +12,6 @@ import re
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from recgrid import cli
 from recgrid.data.criteo import ROW_ID, CriteoDataError, expand_inputs, sniff_format
@@ -23,11 +22,8 @@ from recgrid.data.synth import write_synth
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # the dashboard serves the state API Ray Train's placement-group cleaner asks (the README recipe's train)
-    ray.init(num_cpus=2, log_to_driver=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+def ray_cluster(shared_ray):
+    """The suite's shared local cluster (the README recipe's train runs on it, as `recgrid train` would)."""
 
 
 def line(label: str, dense: list[str], cats: list[str]) -> str:

@@ -13,7 +13,6 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
 from torchrec.datasets.utils import Batch
 
@@ -31,10 +30,8 @@ T = 4
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    """The suite's shared local cluster."""
 
 
 def numbered_table(start: int, n: int) -> pa.Table:

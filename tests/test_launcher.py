@@ -40,15 +40,13 @@ K, T, B = 5, 4, 128
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, mlflow_server):
-    """One job with M=2, a job that fails on a bad row and the chaos job, on one local Ray cluster
-    (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job logs to the
-    suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating with the
-    env vars the Ray pods get; the others to a SQLite store."""
+def two_runs(tmp_path_factory, mlflow_server, shared_ray):
+    """One job with M=2, a job that fails on a bad row and the chaos job, on the suite's shared
+    local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
+    logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
+    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store."""
     import contextlib
     import io
-
-    import ray
 
     from recgrid.launch.ray import run_job
 
@@ -56,7 +54,7 @@ def two_runs(tmp_path_factory, mlflow_server):
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
     old_env = {k: os.environ.get(k) for k in mlflow_server.client_env()}
-    os.environ.update(mlflow_server.client_env())  # before Ray starts: its workers inherit them
+    os.environ.update(mlflow_server.client_env())  # this process's client (the workers have them: shared_ray)
     bad = tmp / "bad"
     bad.mkdir()
     good = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
@@ -92,7 +90,6 @@ def two_runs(tmp_path_factory, mlflow_server):
             kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
         chaos = job.join()
     finally:
-        ray.shutdown()
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,

@@ -15,7 +15,13 @@ Placement follows the layout (issue 14, acceptance 4) on the same cluster, whose
 packed (each holds exactly two workers): a layout the cluster cannot give is refused before any
 worker starts (first: every node is still there); the host-local job puts each replica group on
 one node, the inter-host (elastic) job each sharding group on a node of its own; both record
-`derived.nodes=2` and `grid/ranks.json` as their first attempt starts."""
+`derived.nodes=2` and `grid/ranks.json` as their first attempt starts.
+
+Ray Data feeds training from the cluster's CPUs (issue 14, acceptance 1), on the same cluster
+before any node is lost: T=4, M=2 trains from raw gzip day files (no prepare step) while the
+workers fill the worker nodes' CPUs, so the head's CPU is the only one left; Ray's state API
+shows every Ray Data read task of the run ran there; the run has Ray Data's execution stats
+(`data/ray_data_stats.txt`) and the input wait (`data/wait_s`)."""
 
 import json
 import math
@@ -106,6 +112,47 @@ def test_a_layout_the_cluster_cannot_give_is_refused_before_any_worker_starts(cl
         "GridError: the T=3 workers would reserve 3 of the cluster's 3 CPUs (train.cpus_per_worker=1), leaving 0 "
         "CPU free, less than the 0.25 CPU a Ray Data read task reserves"), r.error
     assert ray.is_initialized()
+
+
+def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_path):
+    from pathlib import Path
+
+    from ray.util.state import list_tasks
+
+    from recgrid.config import load_config
+    from recgrid.data.synth import write_synth
+    from recgrid.launch.ray import run_job
+
+    write_synth(str(tmp_path / "train"), 6000, files=3, fmt="tsv.gz", spec="tiny", seed=0)
+    write_synth(str(tmp_path / "eval"), 1000, files=1, fmt="tsv.gz", spec="tiny", seed=0, stream=1)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "jobs/local_demo.yaml", [
+        f"data.train={tmp_path}/train/*", f"data.eval={tmp_path}/eval/*", "data.synth_if_missing=false",
+        "data.rows_per_unit=1000", "grid.world_size=4", "grid.num_groups=2",
+        "train.max_steps=6", "train.batch_size=64", "train.log_every=3", "train.eval_every=0",
+        "train.cpus_per_worker=0.5", WORKER_SLOT, "train.snapshot_every_syncs=0",
+        f"train.storage_path={tmp_path}/storage", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        "tracking.experiment=test-data-cluster",
+    ])
+    r = run_job(cfg)
+    assert r.status == "FINISHED", r.error
+    head = cluster["cluster"].head_node.node_id
+    workers = {n.node_id for n in cluster["nodes"]}
+    assert {w["node"] for w in r.attempts[0]["workers"].values()} == workers  # two on each worker node, none on the head
+
+    reads = [t for t in list_tasks(cluster["cluster"].address, filters=[("type", "=", "NORMAL_TASK")], limit=10_000,
+                                     detail=True, timeout=30)
+             # a read task the stream submitted but cancelled when training ended was never placed (node None)
+             if "ReadUnits" in t.name and t.node_id is not None]
+    # 4 training streams and 4 evaluation streams, each at least one read task
+    assert len(reads) >= 8, [t.name for t in reads]
+    assert {t.node_id for t in reads} == {head}  # the worker nodes had no CPU left for them
+    assert {t.required_resources.get("CPU") for t in reads} == {0.25}  # a fraction: they fit beside workers
+
+    client = mlflow_client(cfg)
+    stats = Path(client.download_artifacts(r.run_id, "data/ray_data_stats.txt", str(tmp_path))).read_text()
+    assert "training stream 0" in stats and "evaluation stream 0" in stats and "ReadUnits" in stats
+    waits = client.get_metric_history(r.run_id, "data/wait_s")
+    assert sorted(m.step for m in waits) == [3, 6] and all(m.value >= 0 for m in waits)
 
 
 def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):

@@ -43,26 +43,21 @@ def _ready(st: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    import ray
-
+def job(tmp_path_factory, shared_ray):
     tmp = tmp_path_factory.mktemp("torchft")
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
     config = _config(tmp)
     t0 = time.time()
-    try:
-        bg = BackgroundJob(config)
-        st = bg.wait_for(lambda s: _ready(s) and s["last_step"] > K)  # after the first sync
-        pids = {r: w["pid"] for a in st["attempts"] for r, w in a["workers"].items()}
-        killed_at = st["last_step"]
-        os.kill(pids[VICTIM], signal.SIGKILL)
-        st = bg.wait_for(lambda s: any("seconds" in e for e in s["events"]))
-        healed_at = st["events"][0]["step"]
-        bg.wait_for(lambda s: s["last_step"] >= healed_at + 2 * K)  # two syncs of the two replicas
-        bg.request_stop()
-        result = bg.join()
-    finally:
-        ray.shutdown()
+    bg = BackgroundJob(config)
+    st = bg.wait_for(lambda s: _ready(s) and s["last_step"] > K)  # after the first sync
+    pids = {r: w["pid"] for a in st["attempts"] for r, w in a["workers"].items()}
+    killed_at = st["last_step"]
+    os.kill(pids[VICTIM], signal.SIGKILL)
+    st = bg.wait_for(lambda s: any("seconds" in e for e in s["events"]))
+    healed_at = st["events"][0]["step"]
+    bg.wait_for(lambda s: s["last_step"] >= healed_at + 2 * K)  # two syncs of the two replicas
+    bg.request_stop()
+    result = bg.join()
     out = {"config": config, "result": result, "pids": pids, "killed_at": killed_at, "tmp": tmp,
            "seconds": time.time() - t0}
     assert result.status == "FINISHED", result.error

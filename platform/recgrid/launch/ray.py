@@ -57,6 +57,18 @@ class JobActors:
         control, recovery = ray.get([self.control.status.remote(), self.recovery.status.remote()], timeout=timeout)
         return {**control, **recovery}
 
+    def end(self) -> None:
+        """The job is over: both actors go (the coordinator takes its snapshot holders with it), so
+        a cluster that runs job after job (`recgrid compare`, a long-lived cluster) keeps no
+        process per finished job."""
+        import ray
+
+        for actor in (self.control, self.recovery):
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone (the cluster was shut down at an interrupt)
+                pass
+
 
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
@@ -283,7 +295,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import PLACEMENT_STRATEGY
+    from recgrid.train.placement import PLACEMENT_STRATEGY, record_ranks
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.entry import pack, restart_worker, torchft_worker
@@ -301,7 +313,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
 
     # on the driver's node (the head, under the Job API): they must outlive every worker node
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(tracker.run_id, tracker.tracking_uri),
+    actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
     if on_start is not None:
         on_start(actors)
@@ -340,7 +352,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         + (", torchft: survivors keep running, a failed replica heals from a live peer"
            if t.fault_tolerance == "torchft" else ""))
     status: dict[str, Any] = {}
-    console = Console(actors.control)
+    console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
     try:
         _fit_watched(trainer, console, interrupts or Interrupts(), actors.control)
@@ -358,6 +370,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         except Exception:  # noqa: BLE001 - the job's own error matters more
             pass
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
+        if not at_once:
+            actors.end()
     if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
         raise Interrupted((interrupts.why if interrupts else None) or "stopped", status["final"]["step"])
     return status
@@ -408,21 +422,30 @@ def _end_workers() -> None:
 
 
 class Console:
-    """Prints, on the driver, the lines the workers gave job control (`JobControl.say`)."""
+    """Prints, on the driver, the lines the workers gave job control (`JobControl.say`), and
+    hands `record` the attempts' records each time another attempt's workers have all registered
+    (the run's grid/ranks.json: `train.placement.record_ranks`)."""
 
-    def __init__(self, control: Any) -> None:
-        self.control, self.printed, self.last_step = control, 0, None
+    def __init__(self, control: Any, record: Any = None) -> None:
+        self.control, self.record, self.printed, self.last_step, self.complete = control, record, 0, None, 0
 
     def pump(self, timeout: float = 5.0) -> None:
         import ray
 
         try:
-            lines, self.last_step = ray.get(self.control.console.remote(self.printed), timeout=timeout)
+            lines, self.last_step, complete, attempts = ray.get(
+                self.control.console.remote(self.printed, self.complete), timeout=timeout)
         except Exception:  # noqa: BLE001 - the console never stops a job
             return
         for line in lines:
             print(line, flush=True)
         self.printed += len(lines)
+        if attempts is not None and self.record is not None:
+            try:
+                self.record(attempts)
+            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
+                say(f"could not record the ranks of attempt {complete - 1} in the run: {e}")
+        self.complete = complete
 
 
 class Interrupts:

@@ -4,9 +4,10 @@
 watch, apart from recovery (`train.recovery`: snapshot holders, the restore plan, recovery
 events):
 - the attempts: each worker group Ray Train starts (or, with torchft, each replica group), with
-  every worker's rank, pid and node (recorded in the run as `grid/ranks.json` once an attempt's
-  workers have all registered, `train.placement.record_ranks`), and when the controller first saw the failure that led to
-  it (`FailureClock`, a Ray Train callback in the controller);
+  every worker's rank, pid and node (the driver records them in the run as `grid/ranks.json` once
+  an attempt's workers have all registered: `console` hands them over, and this actor never
+  imports MLflow), and when the controller first saw the failure that led to it (`FailureClock`,
+  a Ray Train callback in the controller);
 - the stop flag: `request_stop()` asks the job to end at its next logging interval, as if it
   had reached max_steps; `request_stop(interrupt=True)` (the driver's Ctrl-C or SIGTERM) at its
   next stop check, a few steps away (`train.trainer`), without the final evaluation. The
@@ -36,8 +37,7 @@ STOP_NOW = 2  # an interrupt: end at the next stop check, no evaluation
 class JobControlImpl:
     """The job's attempts, stop flag, heartbeats and logged-up-to mark (one actor)."""
 
-    def __init__(self, run_id: str | None = None, tracking_uri: str | None = None) -> None:
-        self.run_id, self.tracking_uri = run_id, tracking_uri  # where grid/ranks.json goes
+    def __init__(self) -> None:
         self.attempts: list[dict[str, Any]] = []  # per attempt: start time, workers (rank -> pid, node, notes)
         self.failure_time: float | None = None  # when the controller first saw the current failure
         self.last_step = 0  # newest step any attempt finished (the logging worker's heartbeat)
@@ -46,6 +46,7 @@ class JobControlImpl:
         self.final: dict[str, Any] | None = None  # where the job's workers ended: step, interrupted
         self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
+        self.complete_attempts = 0  # attempts whose workers have all registered (the driver records them)
 
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
@@ -54,16 +55,11 @@ class JobControlImpl:
         return len(self.attempts) - 1
 
     def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
-        """A worker of `attempt` started; once all have, the run's grid/ranks.json is rewritten."""
-        from recgrid.train.placement import record_ranks
-
+        """A worker of `attempt` started; once all have, `console` hands the attempts to the driver."""
         workers = self.attempts[attempt]["workers"]
         workers[rank] = {"pid": pid, "node": node_id}
         if len(workers) == self.attempts[attempt]["world_size"]:
-            try:
-                record_ranks(self.run_id, self.tracking_uri, self.attempts)
-            except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
-                self.say(f"[recgrid] could not record {len(workers)} ranks of attempt {attempt} in the run: {e}")
+            self.complete_attempts += 1
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
@@ -94,9 +90,12 @@ class JobControlImpl:
         """A line for the user's console (the driver prints it: `console`)."""
         self.lines.append(line)
 
-    def console(self, since: int) -> tuple[list[str], int]:
-        """The console lines from number `since` on, and the newest step any attempt finished."""
-        return self.lines[since:], self.last_step
+    def console(self, since: int, complete: int = 0) -> tuple[list[str], int, int, list[dict[str, Any]] | None]:
+        """The console lines from number `since` on, the newest step any attempt finished, how many
+        attempts have all their workers registered, and, when that is more than `complete` (what
+        the caller last saw), every attempt's record (for the run's grid/ranks.json)."""
+        news = self.attempts if self.complete_attempts > complete else None
+        return self.lines[since:], self.last_step, self.complete_attempts, news
 
     def claim_step(self, name: str, step: int) -> bool:
         """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
