@@ -204,3 +204,15 @@ def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
     assert all(k.startswith("derived.") and k.rsplit(".", 1)[-1] not in leaves for k in DERIVED_PARAMS)
     reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
     assert all(f"| `{k}` |" in reference for k in DERIVED_PARAMS), "docs/reference.md's params table is stale"
+
+
+def test_keys_into_a_pipe_whose_reader_left_ends_quietly():
+    """`recgrid keys | head`: the reader leaves before the listing ends (here: before it starts).
+    No traceback; the exit code a shell tool ended by SIGPIPE gives."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "recgrid.cli", "keys"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 128 + 13 and err == "", err

@@ -266,6 +266,9 @@ def run_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # the shell's code for a command ended by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not sys.stdout.isatty():
@@ -275,7 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
-    return int(handler(args) or 0)
+    try:
+        return int(handler(args) or 0)
+    except BrokenPipeError:
+        # the reader of stdout left early (`recgrid keys | head`): stop quietly, as a shell tool
+        # does, and give the interpreter's last flush somewhere to go instead of another traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
