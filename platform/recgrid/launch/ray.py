@@ -444,7 +444,7 @@ class Console:
             try:
                 self.record(attempts)
             except Exception as e:  # noqa: BLE001 - the record is for operators; training goes on without it
-                say(f"could not record the ranks of attempt {complete - 1} in the run: {e}")
+                say(f"could not record where the workers run (grid/ranks.json) in the run: {e}")
         self.complete = complete
 
 

@@ -46,7 +46,6 @@ class JobControlImpl:
         self.final: dict[str, Any] | None = None  # where the job's workers ended: step, interrupted
         self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
-        self.complete_attempts = 0  # attempts whose workers have all registered (the driver records them)
 
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
@@ -56,10 +55,7 @@ class JobControlImpl:
 
     def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
         """A worker of `attempt` started; once all have, `console` hands the attempts to the driver."""
-        workers = self.attempts[attempt]["workers"]
-        workers[rank] = {"pid": pid, "node": node_id}
-        if len(workers) == self.attempts[attempt]["world_size"]:
-            self.complete_attempts += 1
+        self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
@@ -94,8 +90,8 @@ class JobControlImpl:
         """The console lines from number `since` on, the newest step any attempt finished, how many
         attempts have all their workers registered, and, when that is more than `complete` (what
         the caller last saw), every attempt's record (for the run's grid/ranks.json)."""
-        news = self.attempts if self.complete_attempts > complete else None
-        return self.lines[since:], self.last_step, self.complete_attempts, news
+        now = sum(len(a["workers"]) == a["world_size"] for a in self.attempts)
+        return self.lines[since:], self.last_step, now, self.attempts if now > complete else None
 
     def claim_step(self, name: str, step: int) -> bool:
         """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
