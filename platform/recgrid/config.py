@@ -7,7 +7,7 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 `optim.lr: must be > 0, got -0.1`.
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
-properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `run_name`) from the
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`, `run_name`) from the
 dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
 `c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
@@ -150,8 +150,8 @@ class TrainConfig:
     """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other replicas keep running and only the failed one is replaced and healed from a live peer (needs L = 1: grid.num_groups = grid.world_size)."""
     snapshot_every_syncs: int = 1
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none."""
-    checkpoint_every: int = 0
-    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path); a multiple of grid.sync_every, so replicas are identical when written; 0 = none."""
+    checkpoint_every: int | None = None
+    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models and train.fault_tolerance=torchft, which write no storage checkpoints."""
     storage_path: str | None = None
     """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
@@ -186,6 +186,16 @@ class TrackingConfig:
     """MLflow run name; null = "T<T>-M<M>-K<K>" ("T<T>-M1" when M = 1, which has no replica groups to sync)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; null = $MLFLOW_TRACKING_URI if set, else sqlite:///<repo>/runs/mlflow.db."""
+
+
+CHECKPOINT_LOSS_FRACTION = 0.1  # the derived checkpoint cadence loses at most this share of train.max_steps
+
+
+def default_checkpoint_every(max_steps: int, sync_every: int) -> int:
+    """The derived train.checkpoint_every: the largest multiple of K = `sync_every` not above
+    `CHECKPOINT_LOSS_FRACTION` of `max_steps`, and at least K (checkpoints are written at sync
+    steps). A restore from it redoes at most that share of the job (about ten checkpoints a job)."""
+    return sync_every * max(1, int(max_steps * CHECKPOINT_LOSS_FRACTION) // sync_every)
 
 
 SECTIONS: dict[str, type] = {
@@ -330,11 +340,7 @@ class JobConfig:
                 f"fp32, leave it null or set fp32")
         _at_least("train.max_failures", t.max_failures, 0)
         _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
-        _at_least("train.checkpoint_every", t.checkpoint_every, 0)
-        if t.checkpoint_every % g.sync_every:
-            raise ConfigError(
-                f"train.checkpoint_every: must be a multiple of grid.sync_every K={g.sync_every} (checkpoints are "
-                f"written at sync steps, when the replicas are identical), got {t.checkpoint_every}")
+        self._check_checkpoints()
         _positive("train.resize_check_s", t.resize_check_s)
         if t.resume_from is not None and "://" not in t.resume_from:
             if not (Path(t.resume_from) / ".metadata").is_file():
@@ -351,6 +357,18 @@ class JobConfig:
         _positive("optim.dense_lr", o.dense_lr)
         if not self.tracking.experiment.strip():
             raise ConfigError("tracking.experiment: must not be empty")
+
+    def _check_checkpoints(self) -> None:
+        """train.checkpoint_every as written: null (derived: `checkpoint_every`) or a multiple of K."""
+        t, K = self.train, self.grid.sync_every
+        if t.checkpoint_every is None:
+            return
+        _at_least("train.checkpoint_every", t.checkpoint_every, 0)
+        if t.checkpoint_every % K:
+            raise ConfigError(
+                f"train.checkpoint_every: must be a multiple of grid.sync_every K={K} (checkpoints are "
+                f"written at sync steps, when the replicas are identical), got {t.checkpoint_every}; "
+                f"leave it null for the derived cadence ({default_checkpoint_every(t.max_steps, K)} here)")
 
     def _check_torchft(self) -> None:
         """What train.fault_tolerance=torchft can carry with Ray 2.60 and torchft 0.2 (train/ft.py)."""
@@ -420,6 +438,18 @@ class JobConfig:
         return TowerConfig.from_option(m.towers, module=m.tower_module, compression=m.tower_compression)
 
     @property
+    def checkpoint_every(self) -> int:
+        """Steps between storage checkpoints: `train.checkpoint_every`, or when null the derived
+        cadence (`default_checkpoint_every`), and 0 for what writes none (tower models,
+        train.fault_tolerance=torchft). What the job runs with and logs as its param."""
+        t = self.train
+        if t.checkpoint_every is not None:
+            return t.checkpoint_every
+        if self.model.towers is not None or t.fault_tolerance == "torchft":
+            return 0
+        return default_checkpoint_every(t.max_steps, self.grid.sync_every)
+
+    @property
     def moment_scale(self) -> float:
         """c: `optim.moment_scale`, or M."""
         return moment_scale_for(self.grid.num_groups, self.optim.moment_scale)
@@ -442,7 +472,7 @@ class JobConfig:
 
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
-        derived value (embedding_dim, dense_arch, moment_scale, precision, run_name) carry it."""
+        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every, run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
@@ -450,6 +480,7 @@ class JobConfig:
                 "model.dense_arch": self.dense_arch,
                 "optim.moment_scale": self.moment_scale,
                 "train.precision": self.precision,
+                "train.checkpoint_every": self.checkpoint_every,
                 "tracking.run_name": self.run_name,
             })
         return flat

@@ -324,7 +324,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
         tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
         run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
-        rows_per_unit=config.data.rows_per_unit, checkpoint_every=t.checkpoint_every,
+        rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
         snapshot_every_syncs=t.snapshot_every_syncs,
     )
     low = config.grid.min_world_size

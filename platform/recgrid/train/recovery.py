@@ -15,6 +15,16 @@ must outlive it live in actors the driver owns:
   part, progress, NE windows), and the shards too where /dev/shm is missing or too small, go
   through the object store and are copied out by the holder (an object put by a worker dies
   with that worker).
+  The slot files are the model's bits on a machine other users may share, so the holder makes
+  its job's directory (`/dev/shm/recgrid-snapshots-<run id>`) and its node's directory inside
+  exclusively with mode 0700, each with an owner marker (job, node, pid and start time of the
+  holder), and accepts an existing one only if it is a real directory of this user, mode 0700,
+  whose marker names this job (a previous holder's); anything else at the path (a link, another
+  user's or another job's directory) is refused, left untouched, and the job's snapshots go
+  through the object store, the log saying why. Slot files are created with O_CREAT | O_EXCL |
+  O_NOFOLLOW, mode 0600, and mapped through O_NOFOLLOW after checking their owner. A starting
+  holder sweeps this user's snapshot directories whose owners are all gone (a driver killed with
+  SIGKILL takes its holders along, and nothing else would delete them).
 - `RecoveryCoordinator`, one per job: the holders by node, which generation is complete on the
   holders still alive, the storage checkpoints written and the recovery events the run logs.
   The attempts, heartbeats and the stop flag are job control's (`train.control.JobControl`).
@@ -60,6 +70,8 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -82,9 +94,17 @@ SHM_MARGIN = 256 << 20  # what a new slot file leaves free in it, for the object
 ALIGN = 64  # byte alignment of each tensor in a slot file
 
 
+SNAPSHOT_PREFIX = "recgrid-snapshots-"  # a job's directory under SHM_BASE: SNAPSHOT_PREFIX + run id
+MARKER = ".recgrid-owner"  # in a job's and a node's directory: {"run_id", "node", "pid", "start"} of its maker
+
+
+class SnapshotDirRefused(OSError):
+    """A snapshot directory path that is not this job's own (a link, another user's, another job's)."""
+
+
 def _job_dir(run_id: str) -> str:
     """The directory of job `run_id`'s shard files on a machine (one subdirectory per node's holder)."""
-    return os.path.join(SHM_BASE, f"recgrid-snapshots-{run_id}")
+    return os.path.join(SHM_BASE, f"{SNAPSHOT_PREFIX}{run_id}")
 
 
 def snapshot_dir(run_id: str, node_id: str) -> str | None:
@@ -94,10 +114,167 @@ def snapshot_dir(run_id: str, node_id: str) -> str | None:
     return os.path.join(_job_dir(run_id), node_id[:16])
 
 
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, from /proc; None: no such process, or no
+    /proc), so a recorded owner is not mistaken for a later process that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the process an owner marker names still runs (the same process, not a reused pid)."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the pid: not the owner
+        return False
+    start = _process_start(pid)
+    return start is None or owner.get("start") in (None, start)
+
+
+def _read_marker(directory: str) -> dict[str, Any] | None:
+    """The owner marker of `directory` (never through a link; None: none, or not ours)."""
+    import json
+
+    try:
+        fd = os.open(os.path.join(directory, MARKER), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return None
+        data = json.loads(os.read(fd, 4096) or b"null")
+        return data if isinstance(data, dict) else None
+    except ValueError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_marker(directory: str, run_id: str, node: str | None) -> None:
+    """Record this process as the maker of `directory` (a fresh file: exclusive, no link, 0600)."""
+    import json
+
+    path = os.path.join(directory, MARKER)
+    try:
+        os.unlink(path)  # a previous holder's of this job and node (checked by the caller)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, json.dumps({"run_id": run_id, "node": node, "pid": os.getpid(),
+                                 "start": _process_start(os.getpid())}).encode())
+    finally:
+        os.close(fd)
+
+
+def _own_dir(path: str, run_id: str, node: str | None) -> str:
+    """Create `path` (mode 0700, exclusively), or accept an existing one only when it is a real
+    directory (not a link) of this user, mode 0700, whose marker names this job (and `node`):
+    a previous holder's of this job. Returns "created" or "accepted"; raises
+    `SnapshotDirRefused` naming the path otherwise, without touching what is there."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, 0o700, follow_symlinks=False)  # whatever the umask
+        _write_marker(path, run_id, node)
+        return "created"
+    deadline = time.monotonic() + 2.0  # another holder of this job on this machine may be writing its marker
+    while True:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            why = f"a symbolic link (to {os.readlink(path)!r})"
+        elif not stat.S_ISDIR(st.st_mode):
+            why = "not a directory"
+        elif st.st_uid != os.getuid():
+            why = f"owned by uid {st.st_uid}, not this job's user (uid {os.getuid()})"
+        elif stat.S_IMODE(st.st_mode) != 0o700:
+            why = f"mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+        else:
+            marker = _read_marker(path)
+            if marker is not None and marker.get("run_id") == run_id and marker.get("node") == node:
+                return "accepted"
+            why = ("made by another job" if marker is not None and marker.get("run_id") != run_id
+                   else "not made by this job's snapshot holder (no owner marker naming it)")
+            if marker is None and time.monotonic() < deadline and node is None:
+                time.sleep(0.05)
+                continue
+        raise SnapshotDirRefused(f"{path}: refusing this snapshot directory: it is {why}; this job's in-memory "
+                                 f"snapshots go through the object store instead (remove the path if it is stale)")
+
+
+def _owned_by_job(path: str, run_id: str) -> bool:
+    """Whether `path` is job `run_id`'s own snapshot directory (a real directory of this user, mode
+    0700, its marker naming the job)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    marker = _read_marker(path) if stat.S_ISDIR(st.st_mode) else None
+    return (st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700 and marker is not None
+            and marker.get("run_id") == run_id)
+
+
+def _remove_owned(path: str, run_id: str) -> None:
+    """Delete job `run_id`'s snapshot directory `path` if it is its own (`_owned_by_job`)."""
+    if _owned_by_job(path, run_id):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def remove_snapshot_files(run_id: str) -> None:
     """Delete this machine's shard files of job `run_id` (those of holders that died with their
-    node included, where several Ray nodes share one machine)."""
-    shutil.rmtree(_job_dir(run_id), ignore_errors=True)
+    node included, where several Ray nodes share one machine): only a directory that is the job's own."""
+    _remove_owned(_job_dir(run_id), run_id)
+
+
+def sweep_stale_snapshots(keep: str | None = None) -> list[str]:
+    """Delete the snapshot directories under SHM_BASE that this user's jobs left behind and whose
+    owners are all gone (a driver killed with SIGKILL takes its holders with it, and nobody else
+    deletes their files): a job's directory goes when neither its maker nor any node directory's
+    holder in it still runs. Never another user's, a link, a directory without an owner marker, a
+    live job's, or `keep` (the caller's own job). Returns what was deleted."""
+    try:
+        names = os.listdir(SHM_BASE)
+    except OSError:
+        return []
+    swept = []
+    for name in names:
+        path = os.path.join(SHM_BASE, name)
+        if not name.startswith(SNAPSHOT_PREFIX) or path == keep:
+            continue
+        run_id = name[len(SNAPSHOT_PREFIX):]
+        if not _owned_by_job(path, run_id):
+            continue
+        owners = [_read_marker(path)]
+        try:
+            owners += [_read_marker(os.path.join(path, n)) for n in os.listdir(path) if n != MARKER]
+        except OSError:
+            continue
+        if not any(o is not None and _alive(o) for o in owners):
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path)
+    return swept
+
+
+def open_slot(path: str, writable: bool) -> int:
+    """A slot file's descriptor, opened without following links and checked: a regular file of
+    this user (a planted link or another user's file is refused, naming the path)."""
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise SnapshotDirRefused(f"{path}: not a snapshot slot file of this user (uid {st.st_uid}); refusing to map it")
+    return fd
 
 
 def shard_layout(tensors: Sequence["torch.Tensor"]) -> tuple[list[tuple[str, list[int], int]], int]:
@@ -111,7 +288,9 @@ def shard_layout(tensors: Sequence["torch.Tensor"]) -> tuple[list[tuple[str, lis
 
 def read_slot(path: str, layout: Sequence[tuple[str, list[int], int]]) -> list[np.ndarray]:
     """The arrays of a slot file, as read-only views of its (shared) memory."""
-    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    fd = open_slot(path, writable=False)
+    with os.fdopen(fd, "rb") as f:
+        whole = np.memmap(f, dtype=np.uint8, mode="r")
     out = []
     for dtype, shape, offset in layout:
         dt = np.dtype(dtype)
@@ -204,10 +383,41 @@ class SnapshotHolderImpl:
     def __init__(self, node_id: str, run_id: str = "local") -> None:
         import threading
 
-        self.node_id = node_id
-        self.root = snapshot_dir(run_id, node_id)
+        self.node_id, self.run_id = node_id, run_id
         self.generations: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()  # the workers of a node put at once
+        self.problem: str | None = None  # why this holder keeps no slot files (for the job's log)
+        self.swept: list[str] = []
+        self.root = self._make_root(snapshot_dir(run_id, node_id))
+
+    def _make_root(self, root: str | None) -> str | None:
+        """This holder's directory for slot files, its job's directory above it: both created
+        exclusively with mode 0700 (or a previous holder's of this job and node, taken over);
+        first, this user's snapshot directories of jobs that are gone are swept. None (snapshots
+        through the object store): no usable shared memory, or a path that is not this job's
+        own (a link, another user's or another job's directory: refused, left untouched;
+        `problem` says which)."""
+        if root is None:
+            return None
+        job_dir = os.path.dirname(root)
+        self.swept = sweep_stale_snapshots(keep=job_dir)
+        try:
+            _own_dir(job_dir, self.run_id, None)
+            if _own_dir(root, self.run_id, self.node_id[:16]) == "accepted":
+                # a previous holder of this job and node died: this one owns its slot files now
+                _write_marker(root, self.run_id, self.node_id[:16])
+        except SnapshotDirRefused as e:
+            self.problem = str(e)
+            print(f"[recgrid] {e}", file=sys.stderr, flush=True)
+            return None
+        except OSError as e:
+            self.problem = f"{root}: cannot make this node's snapshot directory ({e}); snapshots go through the object store"
+            return None
+        return root
+
+    def why_no_shared_memory(self) -> str | None:
+        """Why this holder keeps no slot files, when it was refused a directory (None: it has one, or no /dev/shm)."""
+        return self.problem
 
     def _admit(self, step: int) -> bool:
         """Make room for generation `step` (keeping at most KEEP_GENERATIONS, itself included);
@@ -254,15 +464,24 @@ class SnapshotHolderImpl:
             return None
         paths = [os.path.join(self.root, f"{key.replace('/', '-')}.{slot}") for slot in (0, 1)]
         try:
-            os.makedirs(self.root, exist_ok=True)
             for path in paths:
-                have = os.path.getsize(path) if os.path.exists(path) else 0
-                if have == nbytes:
+                try:
+                    st = os.lstat(path)
+                    have = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                except FileNotFoundError:
+                    st, have = None, 0
+                if st is not None and have == nbytes:
                     continue
                 if shutil.disk_usage(self.root).free + have < nbytes + SHM_MARGIN:
                     return None
-                with open(path, "wb") as f:  # the pages are allocated (and zeroed) here, once
-                    os.posix_fallocate(f.fileno(), 0, nbytes)
+                if st is not None:  # another size: a new file (a writer's mapping keeps the old one)
+                    os.unlink(path)
+                # the pages are allocated (and zeroed) here, once; never through a planted link
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                finally:
+                    os.close(fd)
         except OSError:
             return None
         return paths
@@ -315,7 +534,7 @@ class SnapshotHolderImpl:
         """The slot files on disk (at most two per shard position of this node)."""
         if self.root is None or not os.path.isdir(self.root):
             return []
-        return sorted(os.path.join(self.root, f) for f in os.listdir(self.root))
+        return sorted(os.path.join(self.root, f) for f in os.listdir(self.root) if f != MARKER)
 
     def close(self) -> None:
         """Forget everything and delete the slot files (the job is over)."""
@@ -323,8 +542,10 @@ class SnapshotHolderImpl:
             self.generations.clear()
             if self.root is not None:
                 shutil.rmtree(self.root, ignore_errors=True)
+                job_dir = os.path.dirname(self.root)
                 try:
-                    os.rmdir(os.path.dirname(self.root))  # the job's directory, once no node's is left
+                    if os.listdir(job_dir) == [MARKER]:  # the job's directory, once no node's is left
+                        _remove_owned(job_dir, self.run_id)
                 except OSError:
                     pass
 
@@ -477,12 +698,14 @@ class _WorkerSide:
 class Snapshotter(_WorkerSide):
     """A worker's in-memory snapshots: every `every_syncs` replica syncs (every K steps when
     M = 1; 0: none) it hands its share of the trainer's state (`Trainer.snapshot`) to its node's
-    holder. It owns that cadence: the loop calls `maybe_snapshot(step)` after every step."""
+    holder. It owns that cadence: the loop calls `maybe_snapshot(step)` after every step.
+    `say(line)`, if given, tells the job's log why a node's holder keeps no slot files (it was
+    refused its directory: `SnapshotHolderImpl`), from one worker per node."""
 
     def __init__(self, trainer: "Trainer", coordinator: Any, grid: "Grid", groups: "GridGroups",
-                 nodes: Sequence[str], attempt: int, every_syncs: int) -> None:
+                 nodes: Sequence[str], attempt: int, every_syncs: int, say: Any = None) -> None:
         super().__init__(coordinator, grid, groups, nodes, attempt)
-        self.trainer, self.every_syncs = trainer, every_syncs
+        self.trainer, self.every_syncs, self.say = trainer, every_syncs, say
         self._inflight: list[Any] = []
         self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it), kept mapped
         self.snapshots = 0
@@ -554,6 +777,10 @@ class Snapshotter(_WorkerSide):
         here, so snapshots only copy."""
         import ray
 
+        if self.say is not None and self.sends_job_state():  # one worker per node says why its holder has no files
+            problem = ray.get(self.holder.why_no_shared_memory.remote())
+            if problem:
+                self.say(problem)
         if not self.sends_shard():
             return
         t = self.trainer
@@ -566,8 +793,11 @@ class Snapshotter(_WorkerSide):
         import torch
 
         if path not in self._maps or self._maps[path][1].numel() != nbytes:
-            with open(path, "r+b") as f:
-                mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            fd = open_slot(path, writable=True)  # no link followed, this user's file (the holder made it 0600)
+            try:
+                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
             self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
         return self._maps[path][1]
 
@@ -624,7 +854,8 @@ class Recovery(_WorkerSide):
         import ray
         import torch.distributed as dist
 
-        decision: list[Any] = [self._decide(storage_checkpoint, resume_from) if self.rank == 0 else None]
+        every = checkpointer.every if checkpointer is not None else 0
+        decision: list[Any] = [self._decide(storage_checkpoint, resume_from, every) if self.rank == 0 else None]
         dist.broadcast_object_list(decision, group=self.groups.global_pg, group_src=0)
         d = decision[0]
         if self.rank == 0 and d.get("why"):
@@ -644,8 +875,8 @@ class Recovery(_WorkerSide):
             return restored
         if self.rank == 0:  # what was written after the restore point is written again
             ray.get(self.coordinator.drop_after.remote(restored.step))
-        if d["source"] == "fresh":
-            return restored
+        if d["source"] == "fresh" and not d.get("why"):
+            return restored  # the job's first start: nothing to recover
         event: dict[str, Any] = {
             "t_restore_start": t0, "t_restore_end": t0 + restore_s, "attempt": self.attempt, "source": d["source"], "step": restored.step, "failure_step": d.get("failure_step"),
             "restore_s": restore_s, "detail": detail, "num_groups": self.grid.num_groups,
@@ -679,8 +910,10 @@ class Recovery(_WorkerSide):
             self.coordinator.update_event.remote(self.restored.event,
                                                  {"replicas_identical_after_sync": len(set(digests)) == 1})
 
-    def _decide(self, storage_checkpoint: str | None, resume_from: str | None) -> dict[str, Any]:
-        """Rank 0's choice of source (the module docstring's order)."""
+    def _decide(self, storage_checkpoint: str | None, resume_from: str | None,
+                checkpoint_every: int = 0) -> dict[str, Any]:
+        """Rank 0's choice of source (the module docstring's order). A restart that finds nothing
+        to restore from says why (`why`: the driver's log and the run's recovery event)."""
         import ray
 
         from recgrid.train.checkpoint import checkpoint_step
@@ -710,9 +943,13 @@ class Recovery(_WorkerSide):
             if len(status["attempts"]) > 1 and not resume_from:
                 held = ", ".join(map(str, plan.get("generations", []))) or "none"
                 missing = ", ".join(plan.get("missing") or []) or "none"
-                return {"source": "fresh", "why": f"no in-memory copy (generations held: {held}; newest misses: "
-                                                  f"{missing}) and no storage checkpoint survives: training starts "
-                                                  f"again from step 0"}
+                return {"source": "fresh", "failure_step": failure_step, "missing": plan.get("missing", []),
+                        "lost_nodes": plan["lost_nodes"],
+                        "why": f"no in-memory copy (generations held: {held}; newest misses: {missing}) and no "
+                               f"storage checkpoint survives"
+                               + (f" (none written yet: the first is at step {checkpoint_every})" if checkpoint_every
+                                  else " (train.checkpoint_every is 0: the job writes none)")
+                               + ": training starts again from step 0"}
         if resume_from:
             return {"source": "resume", "path": resume_from, "why": f"resuming from the checkpoint {resume_from}"}
         return {"source": "fresh"}

@@ -150,7 +150,8 @@ def train_worker(cfg: dict) -> None:
         # one monitor per node (its first worker), named by host and Ray node (hosts may hold several)
         system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{nodes[world_rank][:8]}", job.tracking_uri)
     grid_nodes = nodes[:grid.world_size]
-    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, grid_nodes, attempt_no, job.snapshot_every_syncs)
+    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, grid_nodes, attempt_no, job.snapshot_every_syncs,
+                              say=lambda msg: control.say.remote(f"[recgrid] {msg}"))
     recovery = Recovery(job.recovery, control, grid, groups, grid_nodes, attempt_no)
 
     def join_sitting_out(step: int) -> None:  # the workers sitting out join Ray Train's report
