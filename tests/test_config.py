@@ -216,3 +216,35 @@ def test_keys_into_a_pipe_whose_reader_left_ends_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 128 + 13 and err == "", err
+
+
+def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> None:
+    """train.checkpoint_every left null: the largest multiple of K not above a tenth of the job,
+    at least K; what the job runs with is the resolved value, and that is its param. 0 stays none;
+    jobs that write no storage checkpoints (tower models, torchft) resolve null to 0."""
+    base = ["data.train=data/train-*.tsv"]
+
+    def every(*o: str) -> int:
+        cfg = load_config(None, [*base, *o])
+        assert cfg.run_params()["train.checkpoint_every"] == cfg.checkpoint_every  # logged as run
+        return cfg.checkpoint_every
+
+    assert load_config(None, base).train.checkpoint_every is None  # the config keeps what was written
+    assert every("train.max_steps=200") == 20  # K = 1: a tenth of the job
+    assert every("train.max_steps=400", "grid.num_groups=2", "grid.sync_every=5") == 40  # the demo job
+    assert every("train.max_steps=437", "grid.num_groups=2", "grid.sync_every=5") == 40  # a multiple of K below
+    assert every("train.max_steps=50", "grid.num_groups=2", "grid.sync_every=5") == 5
+    assert every("train.max_steps=12", "grid.num_groups=2", "grid.sync_every=5") == 5  # never more often than K
+    assert every("train.max_steps=5") == 1
+    assert every("train.max_steps=400", "train.checkpoint_every=0") == 0  # none, explicitly
+    assert every("train.max_steps=400", "train.checkpoint_every=15") == 15
+    assert every("grid.world_size=2", "grid.num_groups=2", "train.fault_tolerance=torchft") == 0
+    assert every("model.towers=2") == 0
+    # a K sweep (`recgrid compare`) keeps a valid cadence for every K; a written one must be a multiple
+    assert every("grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100") == 9
+    with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be a multiple of grid\.sync_every K=3 "
+                                          r".*leave it null for the derived cadence \(9 here\)"):
+        load_config(None, [*base, "grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100",
+                           "train.checkpoint_every=5"])
+    with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be >= 0, got -5$"):
+        load_config(None, [*base, "train.checkpoint_every=-5"])

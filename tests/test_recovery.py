@@ -386,3 +386,104 @@ def test_holder_without_shared_memory_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path / "missing"))
     assert recovery.SnapshotHolderImpl("node-a", "run-1").reserve(5, "shard/0", 64) is None
+
+
+# ---- the snapshot files on a shared machine (issue 18) ----------------------------------------------------
+def test_holder_files_are_0600_in_0700_directories_and_links_are_never_followed(tmp_path, monkeypatch):
+    import stat
+
+    from recgrid.train import recovery
+
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
+    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    slot = holder.reserve(5, "shard/0", 256)
+    job_dir = tmp_path / "recgrid-snapshots-run-1"
+    for d in (job_dir, job_dir / "node-a"):
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and stat.S_ISDIR(os.lstat(d).st_mode)
+    files = holder.files()
+    assert len(files) == 2 and slot["path"] in files
+    for f in [*files, str(job_dir / recovery.MARKER), str(job_dir / "node-a" / recovery.MARKER)]:
+        assert stat.S_IMODE(os.lstat(f).st_mode) == 0o600 and stat.S_ISREG(os.lstat(f).st_mode)
+    # a link planted where a slot file goes (by this user: nobody else can write in a 0700
+    # directory) is replaced by a file of the holder's, its target left as it was
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 8)
+    other = os.path.join(holder.root, "shard-1.0")
+    os.symlink(victim, other)
+    with pytest.raises(OSError):  # a worker maps no link
+        recovery.open_slot(other, writable=True)
+    assert holder.allocate("shard/1", 128) is not None
+    assert not os.path.islink(other) and os.path.getsize(other) == 128 and victim.read_bytes() == b"precious" * 8
+    holder.close()
+    assert not job_dir.exists()
+
+
+@pytest.mark.parametrize("planted", ["link", "open directory", "unmarked directory", "another job's", "another user's"])
+def test_holder_refuses_what_it_did_not_make_at_its_path_and_leaves_it_alone(tmp_path, monkeypatch, planted):
+    """Anything planted at the job's snapshot path: refused with the path in the message, the
+    snapshots go through the object store (no slot), nothing there or behind a link is touched;
+    the driver's cleanup leaves it too."""
+    from recgrid.train import recovery
+
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o1777)
+    monkeypatch.setattr(recovery, "SHM_BASE", str(base))
+    path = base / "recgrid-snapshots-run-1"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "file").write_bytes(b"do not touch")
+    if planted == "link":
+        os.symlink(target, path)
+        inside = target
+    else:
+        path.mkdir(mode=0o700)
+        inside = path
+        (path / "file").write_bytes(b"do not touch")
+        if planted == "open directory":
+            os.chmod(path, 0o755)
+        elif planted == "another job's":
+            (path / recovery.MARKER).write_text(json.dumps({"run_id": "run-2", "node": None, "pid": os.getpid()}))
+        elif planted == "another user's":
+            if os.getuid() != 0:
+                pytest.skip("needs root to make a directory of another user")
+            os.chown(path, 4321, 4321)
+    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    assert holder.root is None and holder.reserve(5, "shard/0", 64) is None  # the object store instead
+    problem = holder.why_no_shared_memory()
+    assert problem.startswith(f"{path}: refusing") and "object store" in problem
+    assert {"link": "symbolic link", "open directory": "mode 0755", "unmarked directory": "no owner marker",
+            "another job's": "another job", "another user's": "uid 4321"}[planted] in problem
+    holder.close()
+    recovery.remove_snapshot_files("run-1")
+    assert (inside / "file").read_bytes() == b"do not touch" and sorted(os.listdir(target)) == ["file"]
+    assert os.path.islink(path) if planted == "link" else sorted(os.listdir(path)) == sorted(os.listdir(inside))
+
+
+def test_a_starting_holder_sweeps_this_users_snapshot_directories_whose_owners_are_gone(tmp_path, monkeypatch):
+    from recgrid.train import recovery
+
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
+    live = recovery.SnapshotHolderImpl("node-a", "run-live")  # a job still running (this process)
+    live.reserve(5, "shard/0", 64)
+    # a job whose holder ran in a process that is gone now (as when its driver was SIGKILLed)
+    gone = subprocess.run([sys.executable, "-c", SWEEP_SCRIPT, str(tmp_path), "run-dead"], capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    dead = tmp_path / "recgrid-snapshots-run-dead"
+    assert gone.stdout.strip() == str(dead / "node-a") and len(os.listdir(dead / "node-a")) == 3  # two slots, marker
+    unmarked = tmp_path / "recgrid-snapshots-run-old"  # not made by a holder that says who it is: not ours to judge
+    unmarked.mkdir(mode=0o700)
+    holder = recovery.SnapshotHolderImpl("node-b", "run-next")
+    assert holder.swept == [str(dead)] and not dead.exists()
+    assert len(live.files()) == 2 and unmarked.is_dir()
+    holder.close()
+    live.close()
+
+
+SWEEP_SCRIPT = """
+import sys
+from recgrid.train import recovery
+recovery.SHM_BASE = sys.argv[1]
+holder = recovery.SnapshotHolderImpl("node-a", sys.argv[2])
+holder.reserve(5, "shard/0", 64)
+print(holder.root)
+"""
