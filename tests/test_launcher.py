@@ -305,3 +305,108 @@ def test_chaos_survivors_were_restarted_by_ray_train(chaos):
     assert len(pids) == 3
     print(f"worker pids per attempt: {[sorted(p) for p in pids]}")
     assert not (pids[0] & pids[1]) and not (pids[1] & pids[2])
+
+
+# ---- on the shared cluster, without a training job ----------------------------------------------------------
+KILLED_DRIVER = """
+import sys, time
+import ray
+from recgrid.train.recovery import RecoveryCoordinator
+ray.init(address=sys.argv[1], logging_level="WARNING")
+node = ray.get_runtime_context().get_node_id()
+coordinator = RecoveryCoordinator.remote(sys.argv[2])  # owned by this driver, as a job's is
+holder = ray.get(coordinator.holder_for.remote(node))
+print(ray.get(holder.reserve.remote(5, "shard/0", 4096))["path"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_driver_killed_with_sigkill_leaves_no_snapshot_files_once_the_next_job_starts(shared_ray):
+    """Issue 18, acceptance 3: a driver SIGKILLed takes its actors, the snapshot holders, along,
+    and no `finally` of its deletes their slot files; the next job's holder on the node sweeps them."""
+    import json
+    import uuid
+
+    import ray
+
+    dead_run = uuid.uuid4().hex
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, ray.get_runtime_context().gcs_address, dead_run],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        slot = driver.stdout.readline().strip()
+    finally:
+        driver.kill()  # SIGKILL
+        driver.wait()
+    job_dir = Path(recovery._job_dir(dead_run))
+    assert slot.startswith(str(job_dir)) and os.path.isfile(slot)
+    # Ray ends a dead driver's actors; the holder's pid is in its directory's owner marker
+    holder_pid = json.loads((Path(slot).parent / recovery.MARKER).read_text())["pid"]
+    deadline = time.time() + 60
+    while os.path.exists(f"/proc/{holder_pid}") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{holder_pid}"), "the killed driver's holder still runs"
+    assert job_dir.exists()  # nobody deleted them: the driver's cleanup never ran
+    coordinator = recovery.RecoveryCoordinator.remote(uuid.uuid4().hex)  # the next job on the node
+    try:
+        holder = ray.get(coordinator.holder_for.remote(ray.get_runtime_context().get_node_id()))
+        assert ray.get(holder.inventory.remote()) == {}  # started
+        assert not job_dir.exists()
+    finally:
+        ray.get(coordinator.release.remote())
+        ray.kill(coordinator)
+
+
+def test_a_restart_from_step_0_says_so_in_the_log_and_the_run(shared_ray, tmp_path):
+    """A restart that finds no in-memory copy and no storage checkpoint (here: a job that wrote
+    none, train.checkpoint_every=0) starts again from step 0, and says so: in the driver's log
+    (the line the logging worker hands job control) and in the run, as a recovery of source
+    `fresh` with its reason. Real actors, a real one-rank gloo group, a real MLflow store."""
+    import types
+
+    import torch.distributed as dist
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.engine.grid import Grid
+    from recgrid.tracking import Tracker
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.control import JobControl
+    from recgrid.train.worker import Reporter
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker("test-fresh-restart", uri)
+    tracker.start("fresh")
+    control = JobControl.remote()
+    coordinator = recovery.RecoveryCoordinator.remote(tracker.run_id)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        grid = Grid(1, 1)
+        groups = grid.build_process_groups("cpu")
+        import ray
+
+        ray.get(control.begin_attempt.remote(1))
+        ray.get(control.heartbeat.remote(37))  # the first attempt trained to step 37, then failed
+        attempt = ray.get(control.begin_attempt.remote(1))
+        node = ray.get_runtime_context().get_node_id()
+        trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=0))  # fresh: nothing is loaded into it
+        job = types.SimpleNamespace(run_id=tracker.run_id, tracking_uri=uri,
+                                    loop=types.SimpleNamespace(max_steps=80))
+        report = Reporter(job, trainer, control, coordinator, attempt, lambda values, step: None)
+        restored = recovery.Recovery(coordinator, control, grid, groups, [node], attempt).restore(
+            trainer, Checkpointer(every=0), None, None, say=report.say)
+        assert (restored.source, restored.step) == ("fresh", 0) and restored.event == 0
+        report.started(restored, grid)
+        report.step(1)
+        lines = ray.get(control.console.remote(0))[0]
+        assert any("training starts again from step 0" in line and "train.checkpoint_every is 0" in line
+                   for line in lines), lines
+        (event,) = ray.get(coordinator.status.remote())["events"]
+        assert (event["source"], event["step"], event["steps_lost"]) == ("fresh", 0, 37)
+        run = MlflowClient(uri).get_run(tracker.run_id)
+        assert run.data.tags["recovery/source/1"] == "fresh"
+        assert "training starts again from step 0" in run.data.tags["recovery/why/1"]
+        assert run.data.metrics["recovery/count"] == 1 and run.data.metrics["recovery/steps_lost"] == 37
+    finally:
+        dist.destroy_process_group()
+        for actor in (control, coordinator):
+            ray.kill(actor)
+        tracker.finish()

@@ -156,8 +156,11 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
 
 
 def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):
+    # no train.checkpoint_every: the storage fallback every job gets by default (a tenth of the
+    # job, at least K: every 5 steps here)
     cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50", WORKER_SLOT,
-                    "train.max_failures=2", "train.checkpoint_every=10")
+                    "train.max_failures=2")
+    assert cfg.train.checkpoint_every is None and cfg.checkpoint_every == 5
     job = BackgroundJob(cfg)
     st = job.wait_for(lambda s: training(s, 0, 1))
     node = _first_attempt_placement(cfg, st)
@@ -169,9 +172,11 @@ def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):
     (e,) = r.events
     # a replica group (both copies of a shard) lived on the lost node
     assert e["source"] == "storage" and e["missing"] and lost in e["lost_nodes"]
-    assert e["step"] % 10 == 0 and e["step"] <= step
+    assert e["step"] % cfg.checkpoint_every == 0 and 0 < e["step"] <= step  # not step 0
     assert "checkpoint_step_" in e["detail"]
-    tags = mlflow_client(cfg).get_run(r.run_id).data.tags
+    run = mlflow_client(cfg).get_run(r.run_id)
+    assert run.data.params["train.checkpoint_every"] == "5"  # the job logs what it ran with
+    tags = run.data.tags
     assert tags["recovery/source/1"] == "storage"
     assert "no complete in-memory copy survives" in tags["recovery/why/1"]
     assert "storage checkpoint" in tags["recovery/why/1"]
