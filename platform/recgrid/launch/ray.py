@@ -288,7 +288,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     """Plan, count rows, start the job's actors and Ray Train; returns their record
     of attempts and recovery events. Raises `Interrupted` when `interrupts` stopped the job."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -297,6 +297,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
     from recgrid.train.placement import PLACEMENT_STRATEGY, record_ranks
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
+    from recgrid.train.checkpoint import CHECKPOINTS_KEPT
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.entry import pack, restart_worker, torchft_worker
     from recgrid.train.worker import WorkerJob
@@ -344,6 +345,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         torch_config=torch_config(config),
         run_config=RunConfig(name=f"{config.run_name}-{tracker.run_id[:8]}", storage_path=storage_path(config),
                              failure_config=FailureConfig(max_failures=t.max_failures),
+                             # storage checkpoints (every job writes them by default): the newest few
+                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
                              callbacks=[FailureClock(actors.control)]),
     )
     say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "

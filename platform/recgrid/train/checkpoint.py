@@ -7,7 +7,10 @@ Ray Train with `ray.train.report(..., checkpoint_upload_mode=NO_UPLOAD)` so Ray'
 `get_checkpoint()` knows the newest one. Outside Ray Train (the local launcher, tests) the
 same code writes under a plain directory.
 
-`Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps. What is written is
+`Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps (by default a tenth of
+the job: `JobConfig.checkpoint_every`), and only the attempt's grid writes: the live sharding
+groups, never a worker sitting out an elastic attempt (it joins Ray Train's report with no
+checkpoint). Ray Train keeps the job's `CHECKPOINTS_KEPT` newest and deletes the older ones. What is written is
 the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
 sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
 DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
 
 CHECKPOINT_PREFIX = "checkpoint_step_"
+CHECKPOINTS_KEPT = 2  # a job's newest storage checkpoints kept; Ray Train deletes older ones as new ones complete
 _STEP = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
 
 
