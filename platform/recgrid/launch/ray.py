@@ -345,7 +345,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         torch_config=torch_config(config),
         run_config=RunConfig(name=f"{config.run_name}-{tracker.run_id[:8]}", storage_path=storage_path(config),
                              failure_config=FailureConfig(max_failures=t.max_failures),
-                             # storage checkpoints (every job writes them by default): the newest few
+                             # storage checkpoints (every job writes them by default): only the newest are kept
                              checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
                              callbacks=[FailureClock(actors.control)]),
     )

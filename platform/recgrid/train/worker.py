@@ -60,7 +60,7 @@ class WorkerJob:
     resume_from: str | None
     row_log: str | None
     rows_per_unit: int
-    checkpoint_every: int  # steps between storage checkpoints; 0: none
+    checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
 
 
