@@ -13,7 +13,9 @@ variable-size `all_to_all_single`. Both sides know the sizes without exchanging 
 - the receiver (peer r) knows which of its bags are non-empty on s from its own bucketized
   lengths, the KJT it sent in that all-to-all.
 
-The receiver scatter-adds what it receives into its `[B, D]` pooled output. Backward mirrors it:
+The receiver scatter-adds what it receives into its `[B, D]` pooled output, in the order a
+ring reduce-scatter adds (gloo's; the sums are then bit for bit the dense path's there; other
+backends may differ from it in the last bits, as any two reduction orders do). Backward mirrors it:
 autograd's all-to-all sends each shard the gradient rows of exactly the bags it received from
 it, and the gather's backward scatters them into the shard's `[W·B, D]` gradient with zeros
 elsewhere (a bag with no id on the shard touches no row, so those zeros are never read). The
@@ -199,9 +201,17 @@ def _sparse_exchange(local_embs: torch.Tensor, held: torch.Tensor, sent: torch.T
         send.register_hook(lambda g: g / W)  # TorchRec's reduce-scatter divides its gradient by W
     recv = send.new_empty(sum(out_splits))
     recv = dist_nn.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
-    B = sent.size(2)
-    recv_index = _element_index(b_got * C + col[f_got], dims_t[f_got], uniform, sum(out_splits))
-    out = local_embs.new_zeros(B * C).index_add(0, recv_index, recv)
+    # add the partial sums in a ring reduce-scatter's order (gloo's): from the previous worker
+    # backwards, this worker's own last, so that on gloo the sums are bit for bit the dense path's
+    # (a bag with ids on three or more shards is where the order shows); index_add adds duplicate
+    # indices in order on CPU
+    B, total = sent.size(2), sum(out_splits)
+    bag_len = dims_t[f_got]
+    bag_start = torch.cumsum(bag_len, 0) - bag_len
+    order = torch.sort(torch.remainder(pg.rank() - 1 - s_got, W), stable=True).indices
+    take = _element_index(bag_start[order], bag_len[order], uniform, total)
+    put = _element_index((b_got * C + col[f_got])[order], bag_len[order], uniform, total)
+    out = local_embs.new_zeros(B * C).index_add(0, put, recv.index_select(0, take))
     return out.view(B, C), in_splits
 
 
