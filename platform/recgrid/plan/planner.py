@@ -47,7 +47,7 @@ from typing import Iterator, Sequence
 from recgrid.plan.constants import GB, MIN_COLUMN_SHARD_BYTES, PROFILES
 from recgrid.plan.cost import CpuCost, GpuCost
 from recgrid.plan.recscale import (
-    MemorySummary, OptionsError, apply_args, exchange_label, memory_summary, price_sparse_exchange,
+    MemorySummary, OptionsError, apply_args, describe, exchange_label, memory_summary, price_sparse_exchange,
     row_wise_exchange_bytes,
 )
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec, TablesError, resolve_model
@@ -749,7 +749,8 @@ class Plan:
         c = self.cluster
         return {
             "model": {"name": self.model.name, "tables": len(self.model.tables),
-                      "table_bytes": self.model.total_bytes, "dense_params": self.model.dense_params},
+                      "table_bytes": self.model.total_bytes, "dense_params": self.model.dense_params,
+                      "features": self.model.features},
             "cluster": {"gpus": c.gpus, "gpus_per_node": c.gpus_per_node, "batch_per_gpu": c.batch_per_gpu,
                         "hbm_gb": round(c.cost.capacity / GB, 3)},
             "candidates": [x.to_json() for x in self.candidates],
@@ -842,7 +843,7 @@ def format_plan(plan: Plan) -> str:
     c = plan.cluster
     m = plan.model
     lines = [
-        f"{m.name}: {len(m.tables)} tables, {m.total_bytes / 1e12:.3g} TB fp32, dense {m.dense_params / 1e6:.1f} M "
+        f"{m.name}: {describe(m)}, dense {m.dense_params / 1e6:.1f} M "
         f"params | T={c.gpus} GPUs, {c.gpus_per_node} per node, {c.cost.capacity / GB:.0f} GB each, "
         f"batch {c.batch_per_gpu} per GPU",
         "",

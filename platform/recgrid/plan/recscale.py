@@ -174,6 +174,15 @@ def price_sparse_exchange(model: ModelTables, options: Mapping[str, list]) -> No
                 sh.perf = replace(sh.perf, fwd_comms=sh.perf.fwd_comms * occ, bwd_comms=sh.perf.bwd_comms * occ)
 
 
+def describe(model: ModelTables) -> str:
+    """"N tables, X TB fp32", with what compression made of them."""
+    if model.source is None:
+        return f"{len(model.tables)} tables, {model.total_bytes / 1e12:.3g} TB fp32"
+    src = model.source
+    return (f"{len(src.tables)} tables, {src.total_bytes / 1e12:.3g} TB fp32 -> {len(model.tables)} tables, "
+            f"{model.total_bytes / 1e12:.3g} TB after QR compression")
+
+
 def exchange_label(model: ModelTables) -> str:
     return ("SRP (sparse: only non-empty partial sums)" if model.row_wise_exchange == "sparse"
             else "dense (TorchRec's reduce-scatter)")

@@ -37,7 +37,7 @@ from recgrid.plan.planner import (
     A2A_PER_SHARDING_TYPE, DEFAULT_SYNC_EVERY, QPS_TOLERANCE, Candidate, Cluster, PlanError, dense_memory_bytes,
     evaluate, gpu_cost, parse_int_list, plan_group,
 )
-from recgrid.plan.recscale import MemorySummary, OptionsError, apply_args, exchange_label, memory_summary
+from recgrid.plan.recscale import MemorySummary, OptionsError, apply_args, describe, exchange_label, memory_summary
 from recgrid.plan.tables import ModelTables, TablesError, resolve_model
 
 
@@ -261,7 +261,7 @@ def simulate(model: ModelTables, gpus: Sequence[int], group_size: int, batch_per
 
 def format_rows(rows: Sequence[SimRow], model: ModelTables, group_size: int, batch: int) -> str:
     lines = [
-        f"{model.name}: {len(model.tables)} tables, {model.total_bytes / 1e12:.3g} TB fp32 | batch {batch} per GPU | "
+        f"{model.name}: {describe(model)} | batch {batch} per GPU | "
         f"2-D sharding groups of L={group_size}",
         "",
         f"{'GPUs':>6}  {'strategy':<15} {'M':>4} {'K':>3} {'layout':<10} {'step ms':>8} {'QPS M/s':>9} {'scaling':>8} "
