@@ -509,3 +509,32 @@ def test_plan_json_and_table_show_the_memory_freed_and_the_group_counts(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert all(r["embedding_memory"]["embedding_bytes"] == mem["embedding_bytes"] for r in rows)
     assert all(r["row_wise_exchange_bytes"]["priced"] <= r["row_wise_exchange_bytes"]["dense"] for r in rows)
+
+
+def test_measured_occupancy_from_a_dense_and_a_sparse_run_replaces_the_formula_at_their_l(tmp_path):
+    """Two runs of one job at L=4 (a real sqlite MLflow store), dense and sparse, recording
+    exchange/bytes/row_wise: their medians' ratio is the occupancy priced at L=4 (skewed ids occupy
+    fewer shards than uniform ones); at another L the uniform-ids formula stays."""
+    from recgrid.plan.recscale import OptionsError, apply_options, measured_occupancy, row_wise_exchange_bytes
+    from recgrid.tracking import Tracker
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = {}
+    for exchange, values in (("dense", (1000.0, 1000.0, 1000.0)), ("sparse", (180.0, 200.0, 900.0))):
+        tracker = Tracker(experiment="srp", tracking_uri=store)
+        with tracker.start(f"T4-M1-{exchange}", params={"grid": {"world_size": 4, "num_groups": 1},
+                                                        "model": {"row_wise_exchange": exchange},
+                                                        "derived.group_size": 4}):
+            for step, v in enumerate(values, 1):
+                tracker.log_metrics({"exchange/bytes/row_wise": v}, step=step)
+        ids[exchange] = tracker.run_id
+    assert measured_occupancy(ids["dense"], ids["sparse"], store) == (4, pytest.approx(0.2))
+    with pytest.raises(OptionsError, match="expected dense"):
+        measured_occupancy(ids["sparse"], ids["dense"], store)
+    model, _ = apply_options(load_tables(CTR), None, {"sharding": "row_wise", "row_wise_exchange": "sparse"},
+                             measured=(4, 0.2))
+    names = [t.name for t in model.tables[:5]]
+    dense, priced = row_wise_exchange_bytes(model, names, 512, 4)
+    assert priced == pytest.approx(0.2 * dense)
+    uniform = row_wise_exchange_bytes(dataclasses.replace(model, measured_occupancy=()), names, 512, 8)
+    assert row_wise_exchange_bytes(model, names, 512, 8) == uniform and uniform[1] < uniform[0]

@@ -207,7 +207,8 @@ def row_wise_exchange_bytes(model: ModelTables, row_wise_tables: Sequence[str], 
 def measured_occupancy(dense_run: str, sparse_run: str, tracking_uri: str | None = None) -> tuple[int, float]:
     """(L, occupancy) from two finished runs of one job at one L, dense and sparse: the ratio of
     their median `exchange/bytes/row_wise`. Raises OptionsError when a run did not record it or
-    the runs differ in L or exchange."""
+    the runs differ in L or exchange. The MLflow store: `tracking_uri`, else $MLFLOW_TRACKING_URI,
+    else the project's (recgrid.tracking)."""
     from recgrid.tracking import resolve_tracking_uri
 
     import mlflow
@@ -227,7 +228,10 @@ def measured_occupancy(dense_run: str, sparse_run: str, tracking_uri: str | None
         history = sorted(m.value for m in client.get_metric_history(run_id, "exchange/bytes/row_wise"))
         if not history:
             raise OptionsError(f"--srp-runs: run {run_id} recorded no exchange/bytes/row_wise")
-        L = int(params["grid.world_size"]) // int(params["grid.num_groups"])
+        try:
+            L = int(params.get("derived.group_size") or int(params["grid.world_size"]) // int(params["grid.num_groups"]))
+        except (KeyError, ValueError):
+            raise OptionsError(f"--srp-runs: run {run_id} has no grid.world_size / grid.num_groups params") from None
         found[want] = (L, history[len(history) // 2])
     if found["dense"][0] != found["sparse"][0]:
         raise OptionsError(f"--srp-runs: the runs have different sharding group sizes (L={found['dense'][0]} and "
