@@ -669,7 +669,8 @@ class Candidate:
                           "dense": gb(self.dense_bytes), "capacity": gb(self.capacity_bytes)},
             "lookup_imbalance": round(self.lookup_imbalance, 3),
             "sharding": self.sharding,
-            "row_wise_exchange_bytes": {"dense": round(self.row_wise_dense_bytes), "priced": round(self.row_wise_bytes)},
+            "row_wise_exchange_bytes": {"dense": round(self.row_wise_dense_bytes),
+                                        "priced": round(self.row_wise_bytes)},
         }
 
 

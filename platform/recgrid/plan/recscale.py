@@ -229,7 +229,8 @@ def measured_occupancy(dense_run: str, sparse_run: str, tracking_uri: str | None
         if not history:
             raise OptionsError(f"--srp-runs: run {run_id} recorded no exchange/bytes/row_wise")
         try:
-            L = int(params.get("derived.group_size") or int(params["grid.world_size"]) // int(params["grid.num_groups"]))
+            L = int(params.get("derived.group_size")
+                    or int(params["grid.world_size"]) // int(params["grid.num_groups"]))
         except (KeyError, ValueError):
             raise OptionsError(f"--srp-runs: run {run_id} has no grid.world_size / grid.num_groups params") from None
         found[want] = (L, history[len(history) // 2])
@@ -275,7 +276,7 @@ class MemorySummary:
         return {"embedding_bytes_uncompressed": self.embedding_bytes_uncompressed,
                 "embedding_bytes": self.embedding_bytes, "freed_bytes": self.freed_bytes,
                 "state_bytes_uncompressed": self.state_bytes_uncompressed, "state_bytes": self.state_bytes,
-                "compressed_tables": self.compressed_tables, "budget_per_gpu": round(self.budget_per_gpu),
+                "compressed_tables": self.compressed_tables, "budget_per_gpu": None if math.isinf(self.budget_per_gpu) else round(self.budget_per_gpu),
                 "max_groups_uncompressed": self.max_groups_uncompressed, "max_groups": self.max_groups}
 
     def lines(self, gpus: int, capacity: float) -> list[str]:
@@ -285,7 +286,8 @@ class MemorySummary:
         if self.compressed_tables:
             return [
                 f"embedding tables, one model copy: {gb(self.embedding_bytes_uncompressed)} uncompressed -> "
-                f"{gb(self.embedding_bytes)} compressed ({self.compressed_tables} tables; {gb(self.freed_bytes)} freed, "
+                f"{gb(self.embedding_bytes)} compressed ({self.compressed_tables} tables; "
+                f"{gb(self.freed_bytes)} freed, "
                 f"{self.embedding_bytes_uncompressed / self.embedding_bytes:.2f}x less)",
                 f"group counts whose M copies (tables + row-wise AdaGrad state) fit T={gpus} x {cap} after the dense "
                 f"part: uncompressed {fit(self.max_groups_uncompressed)}, compressed {fit(self.max_groups)} "
