@@ -69,6 +69,8 @@ class Compression:
 
     def with_heads(self, head_ids: Mapping[int, np.ndarray]) -> "Compression":
         """This setting with its head ids (feature index -> ids, any order; stored sorted, unique)."""
+        if not self.wants_head:
+            raise ValueError("head ids for a compression without a head cache (head_rows 0, head_coverage None)")
         ids = tuple((int(f), np.unique(np.asarray(v, dtype=np.int64))) for f, v in sorted(head_ids.items()))
         return Compression(self.threshold_rows, self.collisions, self.operation, self.head_rows,
                            self.head_coverage, ids)
