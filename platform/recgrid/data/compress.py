@@ -69,6 +69,8 @@ class Compression:
 
     def with_heads(self, head_ids: Mapping[int, np.ndarray]) -> "Compression":
         """This setting with its head ids (feature index -> ids, any order; stored sorted, unique)."""
+        if not self.wants_head:
+            raise ValueError("head ids for a compression without a head cache (head_rows 0, head_coverage None)")
         ids = tuple((int(f), np.unique(np.asarray(v, dtype=np.int64))) for f, v in sorted(head_ids.items()))
         return Compression(self.threshold_rows, self.collisions, self.operation, self.head_rows,
                            self.head_coverage, ids)
@@ -82,6 +84,13 @@ class Compression:
             raise ValueError("a head cache needs its head ids: count them over the training files first "
                              "(data.stream.id_counts, head_from_counts) and pass them with Compression.with_heads")
         return {f: ids for f, ids in self.head_ids if len(ids)}  # a feature with no lookups has no head
+
+    def record(self) -> dict:
+        """What fixes a compressed model's tables and id mapping, as JSON-able values (a storage
+        checkpoint keeps it: its rows mean these ids)."""
+        heads = self.heads() if self.head_ids is not None else {}
+        return {"threshold_rows": self.threshold_rows, "collisions": self.collisions, "operation": self.operation,
+                "head_ids": {SPARSE_NAMES[f]: ids.tolist() for f, ids in heads.items()}}
 
     def head_sizes(self) -> dict[int, int]:
         return {f: len(ids) for f, ids in self.heads().items()}
