@@ -66,8 +66,8 @@ def test_sparse_exchange_equals_torchrec_dense_row_wise(results, M, name):
         for kind in ("emb", "moments"):
             assert len(dense[kind]) == len(sparse[kind]) == 26  # every table has a row-wise shard here
             for a, b in zip(dense[kind], sparse[kind]):
-                assert a.shape == b.shape and (a - b).abs().max() <= 1e-6
-        assert max(float(m.abs().max()) for m in sparse["moments"]) > 0  # AdaGrad moments moved
+                assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-6)
+        assert sum(float(m.abs().sum()) for m in sparse["moments"]) > 0  # AdaGrad moments moved
         assert (dense["dense"] - sparse["dense"]).abs().max() <= 1e-6
         if M == 2:
             assert dense["syncs"] == sparse["syncs"] == STEPS // 5  # the replica sync ran
