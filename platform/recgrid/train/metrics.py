@@ -34,6 +34,7 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `exchange/world_size/cross_host` | the largest world size of an all-to-all that sends bytes across hosts: L (T when M = 1) for the flat exchange, N (the towers) for SPTT |
 | `memory/peak_mb_max` | peak memory of a worker in MiB, max over workers: `torch.cuda.max_memory_allocated` on GPU workers, peak resident set size of the worker process on CPU workers |
 | `memory/peak_mb_mean` | the same, mean over workers |
+| `memory/embedding_bytes` | bytes of the embedding tables' weights of ONE model copy (every table, at the table data type; the job holds M copies), logged once at step 0 by the launcher: with `model.compression: qr` the compressed tables (quotient, remainder and head tables), so the uncompressed figure over this one is the memory reduction |
 | `eval/ne` | normalized entropy over all eval rows of all workers |
 | `eval/auc` | ROC AUC over all eval rows of all workers, from a 2^18-bin histogram of predicted probabilities (see below) |
 | `eval/auc_max_error` | upper bound on `|eval/auc - exact AUC|` due to binning (half the share of positive/negative pairs that fall in one bin) |

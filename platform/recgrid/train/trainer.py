@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recgrid.config import JobConfig
+from recgrid.data.compress import Compression
 from recgrid.data.specs import DatasetSpec
 from recgrid.data.stream import EvalData, TrainData
 from recgrid.data.units import DataCursor
@@ -125,7 +126,8 @@ class EngineConfig:
             model=ModelSpec(arch=m.arch, embedding_dim=m.embedding_dim,
                             dense_arch=tuple(m.dense_arch) if m.dense_arch is not None else None,
                             over_arch=tuple(m.over_arch), dcn_num_layers=m.dcn_num_layers,
-                            dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype),
+                            dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype,
+                            compression=config.compression()),  # a head cache's ids: `with_compression`
             lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
             dense_optimizer=o.dense_optimizer, dense_lr=o.dense_lr,
             sync_every=config.grid.sync_every, delayed_moment_sync=config.grid.delayed_moment_sync,
@@ -133,6 +135,10 @@ class EngineConfig:
             precision=config.train.precision, ne_window_steps=config.train.ne_window_steps,
         )
         return replace(engine, **overrides)
+
+    def with_compression(self, compression: Compression | None) -> "EngineConfig":
+        """This engine with `compression` (the job's, once the driver has counted its head ids)."""
+        return replace(self, model=replace(self.model, compression=compression))
 
     def embedding_optimizer(self, num_groups: int) -> MomentScaledRowWiseAdagrad:
         return MomentScaledRowWiseAdagrad(lr=self.lr, eps=self.eps,
