@@ -51,10 +51,13 @@ table, the verdict) and bench/results/compression.png; prints the table. Progres
 One `run_local` spawn holds all seeds and configurations: each worker reads its rows once per
 seed and builds a fresh trainer per configuration on the same process groups.
 
-SRP against dense row-wise (issue 16 part 5's other half) is `bench/srp.py`'s measurement; this
-script does not measure it a second time.
+SRP against dense row-wise (issue 16 part 5's other half: exchange bytes and step time at L = 2
+and 4, one-hot and multi-hot) is `bench/srp.py`'s measurement: this script calls its `measure()`
+with its defaults and keeps the rows under "srp" in the same JSON. `--parts` runs one part alone
+(quality ~20 min, srp a few minutes on 2 cores); the other part's entry already in `--out` is
+kept, so the two may run as separate invocations.
 
-    .venv/bin/python bench/compression.py [--seeds 0,1,2] [--steps 300] [--out PATH] [--plot PATH]
+    .venv/bin/python bench/compression.py [--parts quality,srp] [--seeds 0,1,2] [--steps 300] [--out PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -363,35 +366,43 @@ def print_table(table: list[dict], extra: dict) -> None:
 
 # ---- plot -------------------------------------------------------------------------------------------
 def plot(table: list[dict], path: Path) -> None:
+    """Left: eval NE (mean ± std over seeds) against embedding bytes; right: the NE gap to
+    uncompressed paired by seed (mean ± std), which the seeds' spread of NE does not blur.
+    Operations sharing a size are drawn slightly apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     colors = {"mult": "tab:blue", "add": "tab:orange", "concat": "tab:green", "-": "black"}
+    shift = {"mult": 0.97, "add": 1.0, "concat": 1.03, "-": 1.0}
     markers = {"none": "*", "qr": "o", "qr+head": "s", "qr+head+wide": "^"}
-    seen = set()
-    for r in table:
-        label = None
-        tag = (r["kind"], r["op"])
-        if tag not in seen:
+    for ax, y, err in ((left, "ne_mean", "ne_std"), (right, "gap_pct_mean", "gap_pct_std")):
+        seen = set()
+        for r in table:
+            if y not in r:
+                continue
+            tag = (r["kind"], r["op"])
+            label = None if tag in seen else "uncompressed" if r["kind"] == "none" else f"{r['kind']} {r['op']}"
             seen.add(tag)
-            label = "uncompressed" if r["kind"] == "none" else f"{r['kind']} {r['op']}"
-        ax.errorbar([r["embedding_bytes"] / 1024], [r["ne_mean"]], yerr=[r["ne_std"]], color=colors[r["op"]],
-                    marker=markers[r["kind"]], ms=10 if r["kind"] == "none" else 7, capsize=3, ls="none", label=label,
-                    mfc="none" if r["kind"] == "qr+head+wide" else None)
-        if r["kind"] != "none" and r["op"] == "mult":
-            ax.annotate(f"c={r['c']}", (r["embedding_bytes"] / 1024, r["ne_mean"]), textcoords="offset points",
-                        xytext=(6, 4), fontsize=7)
-    base = next((r for r in table if r["kind"] == "none"), None)
-    if base:
-        ax.axhline(base["ne_mean"], color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("embedding bytes of one model copy (KiB, log)")
-    ax.set_ylabel("eval NE (mean ± std over seeds)")
-    ax.set_title("recgrid: QR compression and the head cache, tiny spec, T = 4, M = 2")
-    ax.legend(fontsize=7, ncol=2)
+            x = r["embedding_bytes"] / 1024 * shift[r["op"]]
+            ax.errorbar([x], [r[y]], yerr=[r[err]], color=colors[r["op"]], marker=markers[r["kind"]],
+                        ms=10 if r["kind"] == "none" else 7, capsize=3, ls="none", label=label,
+                        mfc="none" if r["kind"] == "qr+head+wide" else None)
+            if r["kind"] in ("qr", "qr+head") and r["op"] == "mult":
+                ax.annotate(f"c={r['c']}", (x, r[y]), textcoords="offset points", xytext=(-22, 4), fontsize=7)
+        base = next((r for r in table if r["kind"] == "none"), None)
+        if base and y in base:
+            ax.axhline(base[y], color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("embedding bytes of one model copy (KiB, log)")
+    left.set_ylabel("eval NE (mean ± std over seeds)")
+    left.set_title("eval NE")
+    right.set_ylabel("eval NE gap to uncompressed, % (paired by seed, mean ± std)")
+    right.set_title("NE gap to uncompressed")
+    right.legend(fontsize=7, ncol=2)
+    fig.suptitle("recgrid: QR compression and the head cache (tiny spec, T = 4, M = 2, 3 seeds)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -403,18 +414,24 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def main() -> None:
+def srp_measure() -> list[dict]:
+    """bench/srp.py's rows (SRP against dense row-wise at L = 2, 4; one-hot and multi-hot)."""
+    import importlib
+
+    # imported by its own name from this folder: its worker function is pickled by reference, and
+    # the local launcher's processes import it again (they get this process's sys.path)
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("srp").measure()
+
+
+def quality_part(a: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """The NE/AUC study: its JSON entries and the aggregated table."""
     import ray
 
     from recgrid.launch.report import machine_info
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=Setting.steps)
-    ap.add_argument("--configs", default="", help="labels to run (comma separated; pilots only): all by default")
-    ap.add_argument("--out", default="bench/results/compression.json")
-    ap.add_argument("--plot", default="bench/results/compression.png")
-    a = ap.parse_args()
     setting = Setting(steps=a.steps)
     spec = get_spec(setting.spec)
     configs = study_configs()
@@ -436,10 +453,8 @@ def main() -> None:
               f"M={NUM_GROUPS}", file=sys.stderr, flush=True)
         runs = run_local(study_worker, WORLD_SIZE, configs, a.seeds, setting, heads, tmp, timeout_s=4 * 3600)[0]
     table = aggregate(runs)
-    v = verdict(table)
     compressed = threshold.features(spec)
-    result = {
-        "benchmark": "compression",
+    return {
         "configuration": {
             "world_size": WORLD_SIZE, "num_groups": NUM_GROUPS, "global_batch": WORLD_SIZE * setting.batch_per_worker,
             **asdict(setting), "seeds": a.seeds, "model": "dlrm", "backend": "gloo", "device": "cpu",
@@ -453,14 +468,56 @@ def main() -> None:
         "machine": machine_info(),
         "wall_s": round(time.perf_counter() - t_start, 1),
         "head_coverage": {str(s): d["head_coverage"] for s, d in data.items()},
-        "verdict": v,
+        "verdict": verdict(table),
         "table": table,
         "runs": runs,
-    }
-    write_result(a.out, result)
-    plot(table, Path(a.plot))
-    print_table(table, {"verdict": f"{v['answer']}: {v['text']}", **{f"pair {i}": s for i, s in enumerate(v["lines"])},
-                        "wall_s": result["wall_s"], "written": f"{a.out}, {a.plot}"})
+    }, table
+
+
+def main() -> None:
+    import json
+
+    from recgrid.launch.report import machine_info
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="quality,srp", help="quality, srp or both (the other's entry in --out is kept)")
+    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=Setting.steps)
+    ap.add_argument("--configs", default="", help="labels to run (comma separated; pilots only): all by default")
+    ap.add_argument("--out", default="bench/results/compression.json")
+    ap.add_argument("--plot", default="bench/results/compression.png")
+    ap.add_argument("--plot-only", action="store_true", help="redraw --plot from --out's table; run nothing")
+    a = ap.parse_args()
+    if a.plot_only:
+        plot(json.loads(Path(a.out).read_text())["table"], Path(a.plot))
+        return
+    parts = set(a.parts.split(","))
+    if not parts or parts - {"quality", "srp"}:
+        ap.error(f"--parts: quality and/or srp, got {a.parts!r}")
+    out = Path(a.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["benchmark"] = "compression"
+    if "quality" in parts:
+        quality, table = quality_part(a)
+        result.update(quality)
+        write_result(out, result)
+        plot(table, Path(a.plot))
+        v = result["verdict"]
+        print_table(table, {"verdict": f"{v['answer']}: {v['text']}",
+                            **{f"pair {i}": s for i, s in enumerate(v["lines"])}, "wall_s": result["wall_s"]})
+    if "srp" in parts:
+        t0 = time.perf_counter()
+        rows = srp_measure()
+        result["srp"] = {"source": "bench/srp.py measure() with its defaults", "machine": machine_info(),
+                         "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+        write_result(out, result)
+        print(f"{'L':>2} {'spec':<14} {'dense B/step':>13} {'sparse B/step':>13} {'ratio':>6} "
+              f"{'dense ms':>9} {'sparse ms':>9}")
+        for r in rows:
+            print(f"{r['L']:>2} {r['spec']:<14} {r['dense_bytes_per_step']:13.0f} {r['sparse_bytes_per_step']:13.0f} "
+                  f"{r['sparse_over_dense'] or 0:6.3f} {r['dense_step_time_median_s'] * 1e3:9.1f} "
+                  f"{r['sparse_step_time_median_s'] * 1e3:9.1f}")
+    print(f"written: {out}" + (f", {a.plot}" if "quality" in parts else ""))
 
 
 if __name__ == "__main__":
