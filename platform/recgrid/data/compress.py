@@ -85,6 +85,13 @@ class Compression:
                              "(data.stream.id_counts, head_from_counts) and pass them with Compression.with_heads")
         return {f: ids for f, ids in self.head_ids if len(ids)}  # a feature with no lookups has no head
 
+    def record(self) -> dict:
+        """What fixes a compressed model's tables and id mapping, as JSON-able values (a storage
+        checkpoint keeps it: its rows mean these ids)."""
+        heads = self.heads() if self.head_ids is not None else {}
+        return {"threshold_rows": self.threshold_rows, "collisions": self.collisions, "operation": self.operation,
+                "head_ids": {SPARSE_NAMES[f]: ids.tolist() for f, ids in heads.items()}}
+
     def head_sizes(self) -> dict[int, int]:
         return {f: len(ids) for f, ids in self.heads().items()}
 

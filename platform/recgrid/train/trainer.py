@@ -761,7 +761,10 @@ class Trainer:
         delayed moment sync's average in flight is not kept (the next sync starts a new one)."""
         self._init_dense_optimizer_state()
         snap = self.snapshot(copy=False)
-        return {
+        compression = self.config.model.compression
+        # a compressed model's rows mean its head ids: kept with them (only then: older checkpoints load as they were)
+        extra = {"compression": json.dumps(compression.record())} if compression is not None else {}
+        return {**extra,
             "model": self.model.state_dict(),
             "embedding_optimizer": self.model.fused_optimizer.state_dict(),
             "dense_optimizer": {k: v for k, v in snap.dense.items() if k.startswith("optim/")},
@@ -771,6 +774,12 @@ class Trainer:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        compression = self.config.model.compression
+        if compression is not None and sd.get("compression") != json.dumps(compression.record()):
+            raise ValueError(
+                "the storage checkpoint's QR compression (its settings or head-cache ids) is not this job's: its "
+                "rows would be read for other ids; resume with the model.compression, qr_* and head_* settings and "
+                "the training files of the job that wrote it")
         self._drop_pipeline()  # batches it prefetched follow the old cursor
         self.model.load_state_dict(sd["model"])
         self.model.fused_optimizer.load_state_dict(sd["embedding_optimizer"])
