@@ -34,7 +34,7 @@ The one setting, fixed up front for every configuration (nothing is tuned per co
 - optimizers: the engine's defaults (embedding row-wise AdaGrad lr 0.05, eps 1e-8, c = M moment
   scaling; dense AdaGrad lr 0.01), K = 1, table-wise sharding, fp32 tables.
 - 300 steps keeps the 48 runs (3 seeds x 16 configurations) inside about 20-25 minutes on 2 CPU
-  cores.
+  cores (the committed run took 15 minutes, 879 s, on the shared 2-core machine).
 
 The verdict's rule (`verdict`), fixed before the study was run. gap(X) = NE(X, seed) -
 NE(none, seed), mean and standard error (std / sqrt(n)) over seeds. For each QR + head
