@@ -26,17 +26,21 @@ How it is hooked into TorchRec's `ShardedEmbeddingBagCollection` (`install_srp`)
 its row-wise shardings:
 1. the output dist becomes a `SparseRowWiseDist` (a subclass of TorchRec's
    `RwPooledEmbeddingDist` whose forward is the exchange above);
-2. the ids' all-to-all of the sharding's input dist (created lazily by TorchRec on the first
-   batch) gets a forward hook that reads the bucketized lengths it sends and tags the KJT it
-   will deliver with them (a callback on TorchRec's awaitables), so a batch's masks travel with
-   the batch, also when the train pipeline runs the input dist a step ahead;
+2. the module becomes a subclass of TorchRec's class (the same object) whose input dist hooks
+   the ids' all-to-all when TorchRec builds it on the first batch, reads the bucketized lengths
+   it sends and leaves them (the receiver's mask) on the batch's sharding context, which
+   TorchRec hands the output dist: the mask travels with its batch, also when the train
+   pipeline runs the input dist a step ahead (its splits-fused all-to-all keeps the hook);
 3. the sharding's lookup gets a forward pre-hook that reads the delivered KJT's lengths (the
-   owner's mask) and its tag (the receiver's mask) just before the lookup, which TorchRec runs
-   immediately before the output dist of the same sharding.
+   owner's mask); TorchRec runs the output dist of a sharding right after its lookup.
 
-Table-row-wise shards (a two-level exchange: an intra-host reduce-scatter, then a cross-host
-all-to-all, over TorchRec's staggered input layout) are not covered yet: config refuses
-`sparse` with any sharding but row_wise (`SPARSE_SHARDINGS`).
+Table-row-wise shards (and grid shards, whose rows are table-row-wise) are not covered: their
+exchange has two levels, an intra-host reduce-scatter, then a cross-host all-to-all, and the
+reduce-scatter's receiver is not the bags' owner but the host-local relay for the owners of its
+cross-host group, which never sees how those owners bucketized their ids. Its split sizes would
+need an extra exchange of masks, which SRP's contract rules out; config refuses `sparse` with any
+sharding but row_wise (`SPARSE_SHARDINGS`), "auto" included (it may choose types without a
+row-wise exchange).
 
 `expected_occupancy` and `expected_exchange_bytes` price the exchange for the planner.
 """
@@ -44,7 +48,6 @@ all-to-all, over TorchRec's staggered input layout) are not covered yet: config 
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # torch is heavy; config validation imports ROW_WISE_EXCHANGES from here
@@ -99,58 +102,38 @@ def expected_exchange_bytes(batch_size: int, dims: Sequence[int], ids_per_bag: S
 
 
 # ---- the exchange --------------------------------------------------------------------------------
+# the attribute of TorchRec's per-sharding context that carries a batch's receiver mask
+_SENT = "srp_sent"
+
+
 class _Masks:
-    """One row-wise sharding's masks between the hooks: the receiver's masks by the KJT its input
-    dist delivers (weakly: a batch the loop drops takes its tag with it), and the current
-    batch's pair, set by the lookup's pre-hook and taken by the output dist right after."""
+    """One row-wise sharding's masks between the hooks: the receiver's mask of the batch whose
+    input dist is running (moved onto that batch's sharding context as soon as the input dist
+    returns, so it travels with the batch, also when the train pipeline runs the input dist a
+    step ahead), and the owner's mask of the batch being looked up (set by the lookup's pre-hook,
+    taken by the output dist that TorchRec runs right after the lookup)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.by_kjt: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
-        self.current: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sent: "torch.Tensor | None" = None
+        self.held: "torch.Tensor | None" = None
 
-    def tag(self, kjt: Any, sent: torch.Tensor) -> Any:
-        self.by_kjt[kjt] = sent
-        return kjt
-
-    def before_lookup(self, module: torch.nn.Module, args: tuple) -> None:
-        kjt = args[0]
-        sent = self.by_kjt.pop(kjt, None)
-        if sent is None:
-            raise SrpError("row_wise_exchange sparse: a row-wise lookup got ids that did not come through its "
-                           "input dist's all-to-all (no bucketized lengths to size the exchange)")
-        held = kjt.lengths().view(len(kjt.keys()), -1) > 0  # [F, Σ_r B_r]: the owner's mask
-        self.current = (held, sent)
-
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        masks, self.current = self.current, None
-        if masks is None:
-            raise SrpError("row_wise_exchange sparse: the output dist ran without its lookup's masks")
-        return masks
-
-
-def _watch_ids_all_to_all(input_dist: torch.nn.Module, masks: _Masks) -> None:
-    """Tag the KJT that `input_dist` (TorchRec's `RwSparseFeaturesDist`) delivers with the mask of
-    what this worker sent: its bucketized lengths, [W shards, F features, B bags] > 0."""
-    from torchrec.distributed.dist_data import KJTAllToAll
-
-    a2a = getattr(input_dist, "_dist", None)
-    if not isinstance(a2a, KJTAllToAll):
-        raise SrpError(f"row_wise_exchange sparse: unexpected row-wise input dist {type(input_dist).__name__}")
-
-    def after(module: torch.nn.Module, args: tuple, awaitable: Any) -> Any:
+    def on_ids_sent(self, module: "torch.nn.Module", args: tuple, result: Any) -> None:
+        """Forward hook of the ids' all-to-all: what this worker sends, [W shards, F, B bags] > 0."""
         bucketized = args[0]
-        F = len(bucketized.keys()) // masks.world
-        sent = bucketized.lengths().view(masks.world, F, -1) > 0
+        self.sent = bucketized.lengths().view(self.world, len(bucketized.keys()) // self.world, -1) > 0
 
-        def on_tensors(tensors_awaitable: Any) -> Any:
-            tensors_awaitable.callbacks.append(functools.partial(masks.tag, sent=sent))
-            return tensors_awaitable
+    def before_lookup(self, module: "torch.nn.Module", args: tuple) -> None:
+        kjt = args[0]
+        self.held = kjt.lengths().view(len(kjt.keys()), -1) > 0  # [F, Σ_r B_r]: what this shard holds
 
-        awaitable.callbacks.append(on_tensors)
-        return awaitable
-
-    a2a.register_forward_hook(after)
+    def take(self, sharding_ctx: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        held, self.held = self.held, None
+        sent = getattr(sharding_ctx, _SENT, None)
+        if held is None or sent is None:
+            raise SrpError("row_wise_exchange sparse: a row-wise output dist ran without the masks of its batch "
+                           "(its input dist or lookup did not run through SRP's hooks)")
+        return held, sent
 
 
 def _element_index(starts: torch.Tensor, lengths: torch.Tensor, uniform: int | None, total: int) -> torch.Tensor:
@@ -217,7 +200,6 @@ def _sparse_exchange(local_embs: torch.Tensor, held: torch.Tensor, sent: torch.T
 
 @functools.cache
 def _dist_class() -> type:
-    import torch
     import torch.distributed as dist
     from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
     from torchrec.distributed.types import NoWait
@@ -232,14 +214,14 @@ def _dist_class() -> type:
             self.meter: "ExchangeMeter | None" = None  # set by sptt.exchange_meter
             self.ranks = dist.get_process_group_ranks(pg)
 
-        def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Any:  # type: ignore[override]
+        def forward(self, local_embs: "torch.Tensor", sharding_ctx: Any = None) -> Any:  # type: ignore[override]
             from torchrec.distributed.comm_ops import get_gradient_division
 
-            held, sent = self.masks.take()
+            held, sent = self.masks.take(sharding_ctx)
             W = self._pg.size()
-            if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            if sharding_ctx.variable_batch_per_feature:
                 raise SrpError("row_wise_exchange sparse: variable batch sizes per feature are not supported")
-            per_rank = list(getattr(sharding_ctx, "batch_size_per_rank", None) or []) or [local_embs.size(0) // W] * W
+            per_rank = list(sharding_ctx.batch_size_per_rank or []) or [local_embs.size(0) // W] * W
             out, elements = _sparse_exchange(local_embs, held, sent, per_rank, list(self._embedding_dims), self._pg,
                                              get_gradient_division())
             if self.meter is not None:
@@ -250,43 +232,70 @@ def _dist_class() -> type:
     return SparseRowWiseDist
 
 
+@functools.cache
+def _module_class() -> type:
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    class SrpShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+        """TorchRec's sharded EBC whose row-wise shardings exchange by SRP: its input dist also
+        leaves each batch's receiver mask on the batch's sharding context (`_SENT`), and the ids'
+        all-to-all of every such sharding is watched from the moment TorchRec builds it."""
+
+        _srp_masks: dict[int, _Masks]
+
+        def _create_input_dist(self, input_feature_names: list[str]) -> None:
+            super()._create_input_dist(input_feature_names)
+            for i, masks in self._srp_masks.items():
+                _watch_ids_all_to_all(self._input_dists[i], masks)
+
+        def input_dist(self, ctx: Any, features: Any) -> Any:  # type: ignore[override]
+            awaitable = super().input_dist(ctx, features)
+            for i, masks in self._srp_masks.items():
+                sent, masks.sent = masks.sent, None
+                setattr(ctx.sharding_contexts[i], _SENT, sent)
+            return awaitable
+
+    return SrpShardedEmbeddingBagCollection
+
+
+def _watch_ids_all_to_all(input_dist: "torch.nn.Module", masks: _Masks) -> None:
+    """Record what the ids' all-to-all of `input_dist` (TorchRec's `RwSparseFeaturesDist`) sends."""
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    a2a = getattr(input_dist, "_dist", None)
+    if not isinstance(a2a, KJTAllToAll):
+        raise SrpError(f"row_wise_exchange sparse: unexpected row-wise input dist {type(input_dist).__name__}")
+    a2a.register_forward_hook(masks.on_ids_sent)
+
+
 def is_sparse_dist(module: "torch.nn.Module") -> bool:
     """Whether `module` is an output dist SRP installed."""
     return isinstance(module, _dist_class())
 
 
-def install_srp(model: torch.nn.Module) -> int:
+def install_srp(model: "torch.nn.Module") -> int:
     """Switch the row-wise shardings of every sharded EmbeddingBagCollection in `model` (a DMP
-    model built by `sharding.shard_model`) to SRP's exchange; returns how many it switched.
-    Must run before the first batch (TorchRec builds the input dists on it) or after it (the
-    existing input dists are watched); either way every worker of a sharding group runs it."""
+    model built by `sharding.shard_model`) to SRP's exchange; returns how many it switched. Runs
+    before the first batch (TorchRec builds the input dists on it), on every worker."""
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
     from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 
     switched = 0
-    for m in model.modules():
-        if not isinstance(m, ShardedEmbeddingBagCollection):
+    for m in list(model.modules()):
+        if type(m) is not ShardedEmbeddingBagCollection:
             continue
-        for i, (st, sharding) in enumerate(zip(m._sharding_types, m._embedding_shardings)):
-            dist_i = m._output_dists[i]
-            if st not in SPARSE_SHARDINGS or type(dist_i) is not RwPooledEmbeddingDist:
+        if m._input_dists:
+            raise SrpError("install_srp must run before the model's first batch")
+        masks: dict[int, _Masks] = {}
+        for i, st in enumerate(m._sharding_types):
+            out_dist = m._output_dists[i]
+            if st not in SPARSE_SHARDINGS or type(out_dist) is not RwPooledEmbeddingDist:
                 continue
-            masks = _Masks(dist_i._pg.size())
-            m._output_dists[i] = _dist_class()(dist_i._pg, list(dist_i._embedding_dims), masks)
-            m._lookups[i].register_forward_pre_hook(masks.before_lookup)
-            if len(m._input_dists) > i:
-                _watch_ids_all_to_all(m._input_dists[i], masks)
-            else:  # TorchRec builds the input dists on the first batch
-                sharding.create_input_dist = _watching(sharding.create_input_dist, masks)
-            switched += 1
+            masks[i] = _Masks(out_dist._pg.size())
+            m._output_dists[i] = _dist_class()(out_dist._pg, list(out_dist._embedding_dims), masks[i])
+            m._lookups[i].register_forward_pre_hook(masks[i].before_lookup)
+        if masks:
+            m.__class__ = _module_class()  # the same object, with SRP's input_dist (see the class)
+            m._srp_masks = masks
+            switched += len(masks)
     return switched
-
-
-def _watching(create: Any, masks: _Masks) -> Any:
-    @functools.wraps(create)
-    def create_input_dist(*args: Any, **kwargs: Any) -> Any:
-        input_dist = create(*args, **kwargs)
-        _watch_ids_all_to_all(input_dist, masks)
-        return input_dist
-
-    return create_input_dist
