@@ -14,6 +14,7 @@ from recgrid.launch.smoke import random_batches
 from recgrid.data.specs import get_spec
 
 SPEC = get_spec("tiny")
+QR_HEAD = "qr_head"  # sync_probe's name for a QR-compressed model with a head cache (row-wise shards)
 
 
 def _config(grid, sharding, sync_every, delayed=False, dim=None):
@@ -101,7 +102,22 @@ def test_m1_equals_plain_distributed_model_parallel():
 
 
 # ---- acceptance 3, 4 (and every sharding type on CPU) --------------------------------------------
+def _qr_compression():
+    """QR (mult, c = 4) of tiny's tables over 2000 rows, with a head cache of each one's 64 most
+    frequent ids in synthetic data (acceptance 2 of the RecScale issue, engine side)."""
+    import numpy as np
+
+    from recgrid.data.compress import Compression, head_from_counts
+    from recgrid.data.synth import synth_table
+
+    comp = Compression(threshold_rows=2000, collisions=4, operation="mult", head_rows=64)
+    table = synth_table(SPEC, 4096, seed=7)
+    return comp.with_heads({f: head_from_counts(*np.unique(table.column(f"C{f + 1}").to_numpy(), return_counts=True),
+                                                head_rows=64) for f in comp.features(SPEC)})
+
+
 def sync_probe(sharding_types: list[str], steps: int, sync_every: int, delayed: bool = False) -> dict:
+    from recgrid.data.stream import synthetic_batches
     from recgrid.engine.sharding import sharding_summary
     from recgrid.train.trainer import Trainer
 
@@ -109,16 +125,23 @@ def sync_probe(sharding_types: list[str], steps: int, sync_every: int, delayed: 
     grid = Grid(T, 2)
     out = {}
     for st in sharding_types:
-        state = Trainer.build(grid, _config(grid, st, sync_every, delayed), torch.device("cpu"))
+        if st == QR_HEAD:  # row-wise shards of QR-compressed tables with a head cache, fed by the id transform
+            comp = _qr_compression()
+            config = _config(grid, "row_wise", sync_every, delayed).with_compression(comp)
+            batches = iter(synthetic_batches(SPEC, 32, steps, seed=7, stream=rank + 1, compression=comp))
+        else:
+            config, batches = _config(grid, st, sync_every, delayed), random_batches(SPEC, 32, seed=rank)
+        state = Trainer.build(grid, config, torch.device("cpu"))
         pre, post = [], []
         state.replica_sync.before_sync.append(lambda s: pre.append(_snapshot(state.model)))
         state.replica_sync.after_sync.append(lambda s: post.append(_snapshot(state.model)))
         aligned = _snapshot(state.model)  # right after build: replicas aligned
-        state.run(random_batches(SPEC, 32, seed=rank), steps)
+        result = state.run(batches, steps)
         state.replica_sync.close()
         kernel_lrs = sorted({k.get_learning_rate() for k in _kernels(state.model)})
         out[st] = {"pre": pre, "post": post, "aligned": aligned, "dense": _dense(state.model),
-                   "plan": sharding_summary(state.plan), "lr": kernel_lrs, "bytes": state.replica_sync.stats.bytes}
+                   "plan": sharding_summary(state.plan), "lr": kernel_lrs, "bytes": state.replica_sync.stats.bytes,
+                   "losses": result.losses}
     return out
 
 
@@ -152,7 +175,8 @@ def _check_synced(results, grid, st, n_syncs):
 
 @pytest.fixture(scope="module")
 def sync_results():
-    types = ["table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard", "table_column_wise", "auto"]
+    types = ["table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard", "table_column_wise", "auto",
+             QR_HEAD]
     return types, run_local(sync_probe, 4, types, 10, 5)
 
 
@@ -181,6 +205,24 @@ def test_other_sharding_types_run_and_sync_on_cpu(sync_results, st):
     _, results = sync_results
     _check_synced(results, Grid(4, 2), st, n_syncs=2)
     assert results[0][st]["plan"]
+
+
+def test_qr_compressed_model_with_head_cache_trains_and_syncs(sync_results):
+    """T=4, M=2: a QR + head-cache model's q, r and h shards (row-wise) train, and a sync makes the
+    replica peers' shards identical (the mean of theirs)."""
+    _, results = sync_results
+    plan = results[0][QR_HEAD]["plan"]
+    assert {"t_C3_h", "t_C3_q", "t_C3_r", "t_C1"} <= set(plan) and "t_C3" not in plan
+    assert all(v == "row_wise@0,1" for v in plan.values())
+    _check_synced(results, Grid(4, 2), QR_HEAD, n_syncs=2)
+    for r in results[1:]:
+        assert torch.equal(r[QR_HEAD]["dense"], results[0][QR_HEAD]["dense"])
+    # a worker's shards: half of each compressed table's ceil(n / 4) + 4 + 64 rows, not half its n
+    rows = sum(w.shape[0] for w in results[0][QR_HEAD]["post"][0][0])
+    want = sum(r if r <= 2000 else -(-r // 4) + 4 + 64 for r in SPEC.table_rows)
+    assert abs(rows - want / 2) <= 3 * 26
+    losses = results[0][QR_HEAD]["losses"]
+    assert len(losses) == 10 and all(0 < x < 2 for x in losses)
 
 
 def test_fused_kernels_carry_the_moment_scaled_lr(sync_results):

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
+from recgrid.data.compress import COMPRESSIONS, QR_OPERATIONS, Compression
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
 from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
 from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES, default_dense_arch
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
 from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
+from recgrid.engine.srp import ROW_WISE_EXCHANGES, SPARSE_SHARDINGS
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
 
@@ -84,6 +86,8 @@ class ModelConfig:
     """Rank of the low-rank cross layers (arch "dcn" only)."""
     sharding: Literal[SHARDINGS] = "auto"
     """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table. Elastic jobs with L > 1 cannot use table_row_wise or grid_shard (auto leaves them out)."""
+    row_wise_exchange: Literal[ROW_WISE_EXCHANGES] = "dense"
+    """How row-wise shards return their pooled partial sums to the workers that own the samples: "dense" (TorchRec's reduce-scatter, a partial sum for every bag, zeros included) or "sparse" (SRP: each shard sends only the partial sums of bags that have ids on it, in a variable-size all-to-all; same results, fewer bytes). "sparse" needs model.sharding: row_wise (not auto, table_row_wise or grid_shard yet) and no model.towers."""
     embedding_dtype: Literal[EMBEDDING_DTYPES] = "fp32"
     """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory (the replica sync averages them in fp32, so its bytes stay fp32's). GPU workers only."""
     towers: str | None = None
@@ -92,6 +96,18 @@ class ModelConfig:
     """DMT only: the dense module each tower runs on its embeddings before the cross-host exchange: "none" (pass-through, the flat exchange's numbers), "dlrm" (the paper's Listing 1: a linear to p·D plus a projection to c·D) or "dcn" (a one-layer low-rank CrossNet and a linear)."""
     tower_compression: float = 1.0
     """DMT only: CR of the tower modules: a tower of F_t features sends max(1, round(F_t / CR)) embeddings across hosts instead of F_t, so cross-host bytes shrink by about CR."""
+    compression: Literal[COMPRESSIONS] = "none"
+    """Embedding compression: "qr" replaces every table of more than qr_threshold_rows rows by a quotient table (ceil(rows / c) rows, index id // c) and a remainder table (c rows, index id % c), combined per id by qr_operation (RecScale); "none" = full tables."""
+    qr_threshold_rows: int = 1_000_000
+    """QR: tables with more rows than this (after data.max_rows_per_table) are compressed; the default leaves tables small enough that a collision costs more quality than their memory is worth (on Criteo Kaggle it compresses the five tables that hold 98% of the rows)."""
+    qr_collisions: int = 4
+    """QR: c, the remainder table's rows: c ids share each quotient row (embedding memory of a compressed table shrinks about c-fold); at least 2."""
+    qr_operation: Literal[QR_OPERATIONS] = "mult"
+    """QR: how an id's quotient row q and remainder row r combine: "mult" (q * r; one-hot data only), "add" (q + r) or "concat" (q and r of half the embedding dimension each, concatenated; needs an even dimension)."""
+    head_rows: int = 0
+    """QR head cache: the H most frequent ids of each compressed table (counted over the training files before training, fixed for the job's life, recorded as the run artifact compression/head_ids.npz) get full rows of their own; only the other ids go through QR. 0 = none (unless head_coverage)."""
+    head_coverage: float | None = None
+    """QR head cache sized by coverage instead of head_rows: the fewest ids that cover this fraction of each compressed table's lookups, in (0, 1); null = head_rows decides."""
 
 
 @dataclass
@@ -285,6 +301,15 @@ class JobConfig:
             raise ConfigError(f"model.over_arch: must end in 1 (one logit per row), got {m.over_arch}")
         _at_least("model.dcn_num_layers", m.dcn_num_layers, 1)
         _at_least("model.dcn_low_rank_dim", m.dcn_low_rank_dim, 1)
+        if m.row_wise_exchange == "sparse":
+            if m.sharding not in SPARSE_SHARDINGS:
+                raise ConfigError(
+                    f"model.row_wise_exchange: sparse (SRP) exchanges row-wise shards only; model.sharding is "
+                    f"{m.sharding}, use {' or '.join(SPARSE_SHARDINGS)} (auto may choose types without a row-wise "
+                    f"exchange; table_row_wise and grid_shard are not covered yet)")
+            if m.towers is not None:
+                raise ConfigError("model.row_wise_exchange: sparse (SRP) does not apply to model.towers (DMT has its "
+                                  "own exchange); leave it dense")
         if m.towers is None and (m.tower_module != "none" or m.tower_compression != 1.0):
             raise ConfigError("model.tower_module: tower modules and their compression need model.towers "
                               "(a tower count or a partition file)")
@@ -301,6 +326,7 @@ class JobConfig:
                 raise ConfigError("model.towers: storage checkpoints of tower models are not supported yet; "
                                   "leave train.checkpoint_every at 0 and train.resume_from unset (in-memory "
                                   "snapshots and peer recovery work)")
+        self._check_compression(spec)
         if m.embedding_dtype in GPU_EMBEDDING_DTYPES and not self.train.use_gpu:
             raise ConfigError(
                 f"model.embedding_dtype: {m.embedding_dtype} tables need GPU workers (train.use_gpu: true); "
@@ -369,6 +395,49 @@ class JobConfig:
                 f"train.checkpoint_every: must be a multiple of grid.sync_every K={K} (checkpoints are "
                 f"written at sync steps, when the replicas are identical), got {t.checkpoint_every}; "
                 f"leave it null for the derived cadence ({default_checkpoint_every(t.max_steps, K)} here)")
+
+    def _check_compression(self, spec: DatasetSpec) -> None:
+        """model.compression and its fields (data/compress.py, engine/compression.py)."""
+        m = self.model
+        if m.compression == "none":
+            return  # the qr_ and head_ fields wait unused (a sweep may switch compression alone)
+        if m.qr_collisions < 2:
+            raise ConfigError(f"model.qr_collisions: c must be >= 2 (c = 1 compresses nothing), got {m.qr_collisions}")
+        _at_least("model.qr_threshold_rows", m.qr_threshold_rows, 1)
+        rows = spec.table_rows
+        if max(rows) <= m.qr_threshold_rows:
+            raise ConfigError(
+                f"model.qr_threshold_rows: {m.qr_threshold_rows} compresses no table: the largest table of spec "
+                f"{spec.name!r} has {max(rows):,} rows" + (f" (data.max_rows_per_table={self.data.max_rows_per_table})"
+                                                         if self.data.max_rows_per_table else "")
+                + "; lower it or set model.compression: none")
+        _at_least("model.head_rows", m.head_rows, 0)
+        if m.head_coverage is not None:
+            if not 0 < m.head_coverage < 1:
+                raise ConfigError(f"model.head_coverage: must be in (0, 1) (a fraction of the lookups), "
+                                  f"got {m.head_coverage}")
+            if m.head_rows > 0:
+                raise ConfigError(f"model.head_coverage: set either model.head_rows ({m.head_rows}) or "
+                                  f"model.head_coverage, not both")
+        if m.qr_operation == "mult" and spec.multi_hot:
+            raise ConfigError(
+                "model.qr_operation: mult needs one id per bag: the tables pool each part's rows before they "
+                "combine, and the product of pooled sums is not the pooled sum of per-id products for bags of "
+                "more than one id; use add or concat with multi-hot data")
+        if m.qr_operation == "concat" and self.embedding_dim % 2:
+            raise ConfigError(f"model.qr_operation: concat splits the embedding dimension into two halves; "
+                              f"{self.embedding_dim} is odd (model.embedding_dim)")
+        if m.towers is not None:
+            raise ConfigError("model.compression: QR compression does not work with model.towers (DMT builds "
+                              "its own tables); set model.compression: none or leave model.towers unset")
+
+    def compression(self) -> Compression | None:
+        """The job's QR compression (without its head ids: the driver counts them), or None."""
+        m = self.model
+        if m.compression == "none":
+            return None
+        return Compression(threshold_rows=m.qr_threshold_rows, collisions=m.qr_collisions, operation=m.qr_operation,
+                           head_rows=m.head_rows, head_coverage=m.head_coverage)
 
     def _check_torchft(self) -> None:
         """What train.fault_tolerance=torchft can carry with Ray 2.60 and torchft 0.2 (train/ft.py)."""

@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recgrid.data.compress import Compression
 from recgrid.data.criteo import (
     PARQUET, PREPARED_SCHEMA, ROW_ID, CriteoDataError, check_prepared_schema, expand_inputs, iter_line_chunks,
     read_raw, sniff_format,
@@ -165,7 +166,7 @@ def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: i
 
 
 def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size: int,
-                  multi_hot_seed: int = 0) -> dict[str, np.ndarray]:
+                  multi_hot_seed: int = 0, compression: Compression | None = None) -> dict[str, np.ndarray]:
     """Prepared rows (column name -> array of n values) as n / batch_size ready batches.
 
     n is a multiple of batch_size, or smaller than it (a last, short batch: one batch of n).
@@ -175,6 +176,11 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     carry them. Array operations over the whole block: no loop over rows or batches (multi-hot
     loops over the 26 features, each expanded for every row of the block at once: one gathered
     row of offsets per bag is faster than one array operation that gathers every value).
+
+    With `compression` (QR, `data.compress`) the compressed features' ids are split into their
+    quotient, remainder and head features (`Compression.apply`): "values" is then [nb, V] padded,
+    "lengths" [nb, len(keys) * B] of the expanded keys, and "value_counts" [nb] says how many of
+    a batch's values are real.
     """
     labels = np.asarray(cols[LABEL_NAME])
     n = len(labels)
@@ -218,26 +224,34 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     else:  # key-major: all of C1's ids of a batch, then C2's, ... as the KJT lays them out
         values = ids.reshape(len(SPARSE_NAMES), nb, b).transpose(1, 0, 2).reshape(nb, -1)
     lengths = np.broadcast_to(np.repeat(np.asarray(bags, np.int32), b), (nb, b * len(SPARSE_NAMES)))
+    counts = None
+    if compression is not None:
+        values, lengths, counts = compression.apply(values, spec, b)
     out = {
         "dense": np.stack([np.asarray(cols[name], dtype=np.float32) for name in DENSE_NAMES], axis=1).reshape(nb, b, -1),
         "labels": labels.astype(np.float32).reshape(nb, b),
         "values": values,
         "lengths": np.ascontiguousarray(lengths),
     }
+    if counts is not None:
+        out["value_counts"] = counts
     if ROW_ID in cols:
         out["row_ids"] = np.asarray(cols[ROW_ID], dtype=np.int64).reshape(nb, b)
     return out
 
 
-def batches_of_block(block: Mapping[str, np.ndarray], pin: bool = False) -> Iterator["Batch"]:
+def batches_of_block(block: Mapping[str, np.ndarray], pin: bool = False,
+                     keys: Sequence[str] = SPARSE_NAMES) -> Iterator["Batch"]:
     """The torchrec Batches of one collated block: views of its arrays, wrapped, nothing computed.
+    `keys`: the KeyedJaggedTensor's keys (a compressed job's: `Compression.keys`).
     With `pin` (a CUDA worker: `engine.device.pin_batches`) the block's arrays are first copied
     once into pinned memory, so each batch's `non_blocking` copy to the GPU is asynchronous."""
     import torch
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    keys = list(SPARSE_NAMES)
+    keys = list(keys)
+    counts = block["value_counts"].tolist() if "value_counts" in block else None  # QR: padded values
     # the block's arrays are read-only views of Ray's object store (a training batch is never written)
     dense, labels, values, lengths = (torch.from_numpy(_writable(block[k])) for k in ("dense", "labels", "values", "lengths"))
     row_ids = torch.from_numpy(_writable(block["row_ids"])) if "row_ids" in block else None
@@ -245,7 +259,8 @@ def batches_of_block(block: Mapping[str, np.ndarray], pin: bool = False) -> Iter
         dense, labels, values, lengths = (t.pin_memory() for t in (dense, labels, values, lengths))
     for j in range(len(labels)):
         out = Batch(dense_features=dense[j], labels=labels[j],
-                    sparse_features=KeyedJaggedTensor(keys=keys, values=values[j], lengths=lengths[j]))
+                    sparse_features=KeyedJaggedTensor(keys=keys, values=values[j] if counts is None
+                                                      else values[j, :counts[j]], lengths=lengths[j]))
         if row_ids is not None:  # carried beside the batch (Batch.to drops it): read it before moving
             out.row_ids = row_ids[j]
         yield out
@@ -262,16 +277,23 @@ def _writable(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def collate(batch: Mapping[str, np.ndarray], spec: DatasetSpec, *, multi_hot_seed: int = 0) -> "Batch":
+def collate(batch: Mapping[str, np.ndarray], spec: DatasetSpec, *, multi_hot_seed: int = 0,
+            compression: Compression | None = None) -> "Batch":
     """One numpy batch (column name -> array of B values) as a torchrec Batch."""
-    return next(batches_of_block(collate_block(batch, spec, len(batch[LABEL_NAME]), multi_hot_seed)))
+    return next(batches_of_block(collate_block(batch, spec, len(batch[LABEL_NAME]), multi_hot_seed, compression),
+                                 keys=_keys(spec, compression)))
+
+
+def _keys(spec: DatasetSpec, compression: Compression | None) -> list[str]:
+    return list(SPARSE_NAMES) if compression is None else compression.keys(spec)
 
 
 # ---------------------------------------------------------------- a worker's stream (Ray Data)
 
 
 def memory_batches(source: "pa.Table | str | Sequence[str]", batch_size: int, spec: DatasetSpec, *,
-                   drop_last: bool = True, multi_hot_seed: int = 0) -> list["Batch"]:
+                   drop_last: bool = True, multi_hot_seed: int = 0,
+                   compression: Compression | None = None) -> list["Batch"]:
     """Every batch of one pass of `source`, collated up front and held in memory (no Ray).
 
     `source` is an arrow table of prepared rows, or paths/globs of raw logs or prepared parquet
@@ -284,14 +306,17 @@ def memory_batches(source: "pa.Table | str | Sequence[str]", batch_size: int, sp
     cols = {n: source.column(n).to_numpy() for n in source.column_names}
     whole = len(source) - len(source) % batch_size
     out = list(batches_of_block(collate_block({k: v[:whole] for k, v in cols.items()}, spec, batch_size,
-                                              multi_hot_seed))) if whole else []
+                                              multi_hot_seed, compression), keys=_keys(spec, compression))) \
+        if whole else []
     if whole < len(source) and not drop_last:
-        out.append(collate({k: v[whole:] for k, v in cols.items()}, spec, multi_hot_seed=multi_hot_seed))
+        out.append(collate({k: v[whole:] for k, v in cols.items()}, spec, multi_hot_seed=multi_hot_seed,
+                           compression=compression))
     return out
 
 
 def synthetic_batches(
-    spec: DatasetSpec, batch_size: int, num_batches: int, *, seed: int = 0, stream: int = 0
+    spec: DatasetSpec, batch_size: int, num_batches: int, *, seed: int = 0, stream: int = 0,
+    compression: Compression | None = None,
 ) -> list["Batch"]:
     """`num_batches` in-memory batches of synth's planted-signal rows, no files and no Ray.
 
@@ -300,7 +325,8 @@ def synthetic_batches(
     """
     from recgrid.data.synth import synth_table
 
-    return memory_batches(synth_table(spec, batch_size * num_batches, seed, stream=stream), batch_size, spec)
+    return memory_batches(synth_table(spec, batch_size * num_batches, seed, stream=stream), batch_size, spec,
+                          compression=compression)
 
 
 def _concat(tables: Sequence[pa.Table]) -> pa.Table:
@@ -386,7 +412,7 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
                 drop_last: bool = True, multi_hot_seed: int = 0, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
                 prefetch_blocks: int = DEFAULT_PREFETCH_BLOCKS,
                 num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK, stats: list | None = None,
-                pin: bool = False) -> Iterator["Batch"]:
+                pin: bool = False, compression: Compression | None = None) -> Iterator["Batch"]:
     """The rows of `units`, in order, as torchrec Batches of `batch_size` rows, out of Ray Data.
 
     Read tasks (each `rows_per_task` rows, rounded to whole batches) read, parse and collate in
@@ -395,33 +421,37 @@ def ray_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_
     file, line and field. With `drop_last` a final short batch is dropped (training parts are
     whole batches, so none is); evaluation keeps it. `stats`, if given, gets the Dataset's
     execution stats appended when the stream ends or is closed. With `pin` the batches come in
-    pinned host memory (`batches_of_block`).
+    pinned host memory (`batches_of_block`). With `compression` the read tasks also apply QR's id
+    transform (`collate_block`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     ds = units_dataset(inputs, units, spec, batch_size, drop_last=drop_last, multi_hot_seed=multi_hot_seed,
-                       rows_per_task=rows_per_task, num_cpus_per_task=num_cpus_per_task)
+                       rows_per_task=rows_per_task, num_cpus_per_task=num_cpus_per_task, compression=compression)
     if ds is None:  # no whole batch: an empty generator (the loop closes what it is given)
         return (b for b in ())
-    return _iterate(ds, prefetch_blocks, stats, pin)
+    return _iterate(ds, prefetch_blocks, stats, pin, _keys(spec, compression))
 
 
 def local_batches(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
                   drop_last: bool = True, multi_hot_seed: int = 0,
-                  rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> Iterator["Batch"]:
+                  rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+                  compression: Compression | None = None) -> Iterator["Batch"]:
     """`ray_batches`' read tasks run here, one after another, without Ray: for offline tools in
     one process (`recgrid towers`). Training and evaluation read through `ray_batches`."""
     for task in read_tasks(units, batch_size, drop_last=drop_last, rows_per_task=rows_per_task):
         (table,) = read_task_table(inputs, task, spec)
         cols = {n: table.column(n).to_numpy() for n in table.column_names}
-        yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed))
+        yield from batches_of_block(collate_block(cols, spec, batch_size, multi_hot_seed, compression),
+                                    keys=_keys(spec, compression))
 
 
-def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None, pin: bool = False) -> Iterator["Batch"]:
+def _iterate(ds: "ray.data.Dataset", prefetch_blocks: int, stats: list | None, pin: bool = False,
+             keys: Sequence[str] = SPARSE_NAMES) -> Iterator["Batch"]:
     blocks = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_blocks)
     try:
         for block in blocks:
-            yield from batches_of_block(block, pin)
+            yield from batches_of_block(block, pin, keys)
     except Exception as e:  # a bad row's error as the read task raised it, not Ray's wrapping of it
         data_error = _data_error(e)
         if data_error is None:
@@ -450,7 +480,8 @@ def _data_error(e: BaseException) -> CriteoDataError | None:
 
 def units_dataset(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batch_size: int, *,
                   drop_last: bool = True, multi_hot_seed: int = 0, rows_per_task: int = DEFAULT_ROWS_PER_TASK,
-                  num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK) -> "ray.data.Dataset | None":
+                  num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK,
+                  compression: Compression | None = None) -> "ray.data.Dataset | None":
     """The Ray Dataset of collated batches of `units`' rows, in order (None: no batch at all)."""
     import ray.data
 
@@ -461,7 +492,8 @@ def units_dataset(inputs: Inputs, units: Sequence[Unit], spec: DatasetSpec, batc
         ds = ray.data.read_datasource(source, override_num_blocks=len(source.tasks), num_cpus=num_cpus_per_task)
         return ds.map_batches(collate_block, batch_size=None, batch_format="numpy", zero_copy_batch=True,
                               num_cpus=num_cpus_per_task,
-                              fn_kwargs={"spec": spec, "batch_size": batch_size, "multi_hot_seed": multi_hot_seed})
+                              fn_kwargs={"spec": spec, "batch_size": batch_size, "multi_hot_seed": multi_hot_seed,
+                                         "compression": compression})
 
 
 @contextlib.contextmanager
@@ -482,6 +514,63 @@ def ordered_context():
     with data_context(execution_options=options, target_max_block_size=1 << 34, enable_progress_bars=False,
                       print_on_execution_start=False):
         yield
+
+
+# ---------------------------------------------------------------- id counts (QR's head cache)
+
+
+def id_counts(inputs: Inputs, spec: DatasetSpec, features: Sequence[int], *, multi_hot_seed: int = 0,
+              num_cpus_per_task: float = DEFAULT_NUM_CPUS_PER_TASK,
+              rows_per_task: int = DEFAULT_ROWS_PER_TASK) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """How often each id of `features` (indices into C1..C26) is looked up over every row of
+    `inputs`: feature -> (distinct ids, counts), multi-hot bags expanded as training expands them.
+    One Ray Data pass: the read tasks `ray_batches` uses, each followed by a count of its block's
+    ids (numpy, per feature); this process adds the blocks' counts up."""
+    import ray.data
+
+    from recgrid.data.compress import merge_counts
+
+    source = UnitsDatasource(inputs, inputs.units(), spec, 1, drop_last=False, rows_per_task=rows_per_task)
+    found: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {f: [] for f in features}
+    if not source.tasks:
+        return {f: merge_counts([]) for f in features}
+    with ordered_context():
+        ds = ray.data.read_datasource(source, override_num_blocks=len(source.tasks), num_cpus=num_cpus_per_task)
+        ds = ds.map_batches(_count_block, batch_size=None, batch_format="numpy", zero_copy_batch=True,
+                            num_cpus=num_cpus_per_task,
+                            fn_kwargs={"spec": spec, "features": tuple(features), "multi_hot_seed": multi_hot_seed})
+    for block in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        feature = block["feature"]
+        for f in features:
+            mine = feature == f
+            found[f].append((block["id"][mine], block["count"][mine]))
+    return {f: merge_counts(pairs) for f, pairs in found.items()}
+
+
+def _count_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, features: tuple[int, ...],
+                 multi_hot_seed: int) -> dict[str, np.ndarray]:
+    """One block's (feature, id, count) rows for `features`: its ids collated as training collates them."""
+    n = len(cols[LABEL_NAME])
+    values = collate_block(cols, spec, n, multi_hot_seed)["values"][0]  # key-major, one batch of n rows
+    bounds = np.cumsum([0, *(n * bag for bag in spec.bag_sizes)])
+    out = {"feature": [], "id": [], "count": []}
+    for f in features:
+        ids, counts = np.unique(values[bounds[f]:bounds[f + 1]], return_counts=True)
+        out["feature"].append(np.full(len(ids), f, np.int16))
+        out["id"].append(ids)
+        out["count"].append(counts.astype(np.int64))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def head_ids(inputs: Inputs, spec: DatasetSpec, compression: Compression, *,
+             multi_hot_seed: int = 0) -> dict[int, np.ndarray]:
+    """The head cache of every compressed feature (`Compression.features`): its `head_rows` most
+    frequent ids over `inputs`, or the fewest covering `head_coverage` of its lookups (sorted)."""
+    from recgrid.data.compress import head_from_counts
+
+    counts = id_counts(inputs, spec, compression.features(spec), multi_hot_seed=multi_hot_seed)
+    return {f: head_from_counts(ids, n, compression.head_rows, compression.head_coverage)
+            for f, (ids, n) in counts.items()}
 
 
 # ---------------------------------------------------------------- files and row ranges
@@ -552,6 +641,7 @@ class TrainData:
     workers: int  # how many train
     stats: list[str] = field(default_factory=list, compare=False, repr=False)
     pin: bool = False  # batches in pinned memory (a CUDA worker: `engine.device.pin_batches`)
+    compression: Compression | None = None  # QR's id transform, applied in the read tasks
 
     def segment_batches(self, cursor: DataCursor) -> tuple[int, Iterator[Any]]:
         """(steps left in the cursor's segment, the batches of this worker's rest of it)."""
@@ -562,7 +652,8 @@ class TrainData:
                 f"{self.workers} workers x {self.plan.batch_size} rows; use more data or a smaller train.batch_size")
         part = seg.part(self.rank, cursor.steps)
         return seg.steps_total - cursor.steps, ray_batches(self.plan.inputs, part, self.spec, self.plan.batch_size,
-                                                           stats=self.stats, pin=self.pin)
+                                                           stats=self.stats, pin=self.pin,
+                                                           compression=self.compression)
 
 
 @dataclass
@@ -576,12 +667,13 @@ class EvalData:
     workers: int
     stats: list[str] = field(default_factory=list, compare=False, repr=False)
     pin: bool = False  # batches in pinned memory (a CUDA worker: `engine.device.pin_batches`)
+    compression: Compression | None = None  # QR's id transform, applied in the read tasks
 
     def batches(self) -> Iterator[Any]:
         units = self.inputs.units()
         part = split_rows(units, even_sizes(self.inputs.total_rows, self.workers))[self.rank]
         return ray_batches(self.inputs, part, self.spec, self.batch_size, drop_last=False, stats=self.stats,
-                           pin=self.pin)
+                           pin=self.pin, compression=self.compression)
 
 
 def stats_text(*sources: TrainData | EvalData | None) -> str:

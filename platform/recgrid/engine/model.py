@@ -1,11 +1,14 @@
 """The model: DLRM (dot interaction) and DLRM-DCNv2 (low-rank cross net) from TorchRec's
-modules, built from a dataset spec — one embedding table per categorical feature C1..C26."""
+modules, built from a dataset spec — one embedding table per categorical feature C1..C26, or,
+with QR compression, a quotient, a remainder and a head table for each large one
+(`engine.compression`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from recgrid.data.compress import Compression
 from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec
 
 if TYPE_CHECKING:  # torch and torchrec are heavy; config validation imports ARCHS from here
@@ -32,6 +35,7 @@ class ModelSpec:
     dcn_num_layers: int = 3
     dcn_low_rank_dim: int = 16
     embedding_dtype: str = "fp32"  # the tables' data type, one of EMBEDDING_DTYPES
+    compression: Compression | None = None  # QR compression of the large tables (engine.compression); None: off
 
     def resolved_dim(self, spec: DatasetSpec) -> int:
         return self.embedding_dim or spec.embedding_dim
@@ -78,6 +82,8 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
     """An unsharded DLRMTrain whose tables live on the meta device (sharding materialises them).
 
     The dense part is initialised from `seed`, so every worker starts with the same dense weights.
+    With `model.compression` the large tables are QR-compressed (`engine.compression`): the sparse
+    arch combines their parts and still hands the interaction one embedding per C1..C26.
     """
     import torch
     from torchrec import EmbeddingBagCollection
@@ -87,6 +93,8 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
     if model.arch not in ARCHS:
         raise ValueError(f"model.arch must be one of {ARCHS}, got {model.arch!r}")
     dim = model.resolved_dim(spec)
+    # a compressed model is built with the plain tables first, so its dense part starts as the
+    # uncompressed model's; its sparse arch is then replaced (engine.compression)
     ebc = EmbeddingBagCollection(tables=embedding_tables(spec, dim, model.embedding_dtype), device=torch.device("meta"))
     torch.manual_seed(seed)
     common = dict(
@@ -100,4 +108,12 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
         net = DLRM(**common)
     else:
         net = DLRM_DCN(**common, dcn_num_layers=model.dcn_num_layers, dcn_low_rank_dim=model.dcn_low_rank_dim)
+    if model.compression is not None:
+        from torchrec.modules.embedding_configs import DataType
+
+        from recgrid.engine.compression import qr_sparse_arch, qr_table_configs
+
+        tables = qr_table_configs(spec, dim, DataType[model.embedding_dtype.upper()], model.compression)
+        net.sparse_arch = qr_sparse_arch(EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                                         spec, dim, model.compression)
     return DLRMTrain(net)

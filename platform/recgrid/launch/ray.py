@@ -33,6 +33,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -245,15 +246,17 @@ def storage_path(config: JobConfig) -> str:
     return str(Path(os.environ.get("RECGRID_RUNS_DIR", "runs")).absolute() / "ray")
 
 
-def job_plan(config: JobConfig) -> Any:
-    """The job's sharding plan, for the L workers of one sharding group: made once, here."""
+def job_plan(config: JobConfig, engine: Any = None) -> Any:
+    """The job's sharding plan, for the L workers of one sharding group: made once, here.
+    `engine`: the job's EngineConfig when the driver has completed it (a compressed job's head ids);
+    None = `EngineConfig.from_job(config)`."""
     from recgrid.engine.device import device_type_for
     from recgrid.engine.model import build_model
     from recgrid.engine.sharding import make_plan
 
     from recgrid.train.trainer import EngineConfig
 
-    engine = EngineConfig.from_job(config)
+    engine = engine or EngineConfig.from_job(config)
     grid = config.build_grid()
     if engine.towers is not None:  # DMT: each tower's tables inside its tower (engine.towers)
         from recgrid.engine.towers import tower_plan
@@ -263,6 +266,41 @@ def job_plan(config: JobConfig) -> Any:
     return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
                      engine.sharding, hbm_cap=worker_gpu_memory() if config.train.use_gpu else None,
                      may_sideline=config.sidelines_ranks)
+
+
+def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
+    """The job's QR compression (`data.compress.Compression`), or None; with a head cache, its head
+    ids counted here, once per job, by one Ray Data pass over the training files
+    (`data.stream.head_ids`), and recorded as the run artifact compression/head_ids.npz. The
+    driver hands them to every attempt's workers, so the remapping never changes while the job lives."""
+    compression = config.compression()
+    if compression is None or not compression.wants_head:
+        return compression
+    import numpy as np
+
+    from recgrid.data.specs import SPARSE_NAMES
+    from recgrid.data.stream import head_ids
+
+    t0 = time.perf_counter()
+    heads = head_ids(train_inputs, config.dataset_spec(), compression)
+    compression = compression.with_heads(heads)
+    sizes = compression.head_sizes()
+    say(f"head cache: counted the ids of {len(heads)} compressed table(s) over {train_inputs.total_rows:,} rows in "
+        f"{time.perf_counter() - t0:.1f} s; head rows " + ", ".join(f"{SPARSE_NAMES[f]} {n:,}" for f, n in sizes.items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "head_ids.npz"
+        np.savez(path, **{SPARSE_NAMES[f]: ids for f, ids in heads.items()})
+        tracker.client.log_artifact(tracker.run_id, str(path), "compression")
+    return compression
+
+
+def model_embedding_bytes(engine: Any) -> int:
+    """`memory/embedding_bytes`: bytes of the embedding tables of one model copy (a compressed job's
+    compressed tables, head tables included) at the tables' data type."""
+    from recgrid.data.compress import embedding_bytes
+
+    m = engine.model
+    return embedding_bytes(engine.spec, m.resolved_dim(engine.spec), m.embedding_dtype, m.compression)
 
 
 def worker_gpu_memory(timeout_s: float = 120.0) -> int:
@@ -305,12 +343,14 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     spec = config.dataset_spec()
     grid = config.build_grid()
     check_cluster(config)
-    plan = job_plan(config)
-    tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
     train_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.train], spec)
     eval_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.eval], spec) if config.data.eval else None
     say(f"data: {train_inputs.total_rows:,} training rows in {len(train_inputs.files)} file(s)"
         + (f", {eval_inputs.total_rows:,} eval rows" if eval_inputs else ""))
+    engine = EngineConfig.from_job(config).with_compression(job_compression(config, train_inputs, tracker))
+    plan = job_plan(config, engine)
+    tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
+    tracker.log_metrics({"memory/embedding_bytes": model_embedding_bytes(engine)}, 0)
 
     # on the driver's node (the head, under the Job API): they must outlive every worker node
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -320,7 +360,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         on_start(actors)
     t = config.train
     job = WorkerJob(
-        engine=EngineConfig.from_job(config), loop=LoopConfig.from_job(config), group_size=grid.group_size,
+        engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
         max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
         train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
         tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,

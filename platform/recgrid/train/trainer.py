@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recgrid.config import JobConfig
+from recgrid.data.compress import Compression
 from recgrid.data.specs import DatasetSpec
 from recgrid.data.stream import EvalData, TrainData
 from recgrid.data.units import DataCursor
@@ -89,6 +90,8 @@ class EngineConfig:
         sync_every: K, steps between replica syncs.
         delayed_moment_sync: average optimizer states one sync late, overlapped with compute.
         sharding: a TorchRec sharding type for every table, or "auto" for the planner's choice.
+        row_wise_exchange: "dense" (TorchRec's reduce-scatter) or "sparse" (SRP, `engine.srp`):
+            how row-wise shards return their partial sums.
         seed: seeds the dense initialisation (identical on every worker) and the data order.
         towers: Disaggregated Multi-Tower (`engine.towers`): the towers, their modules and the
             exchange; None = TorchRec's flat exchange (and `sharding` applies).
@@ -109,6 +112,7 @@ class EngineConfig:
     sync_every: int
     delayed_moment_sync: bool
     sharding: str
+    row_wise_exchange: str
     seed: int
     towers: TowerConfig | None
     precision: str | None
@@ -125,14 +129,19 @@ class EngineConfig:
             model=ModelSpec(arch=m.arch, embedding_dim=m.embedding_dim,
                             dense_arch=tuple(m.dense_arch) if m.dense_arch is not None else None,
                             over_arch=tuple(m.over_arch), dcn_num_layers=m.dcn_num_layers,
-                            dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype),
+                            dcn_low_rank_dim=m.dcn_low_rank_dim, embedding_dtype=m.embedding_dtype,
+                            compression=config.compression()),  # a head cache's ids: `with_compression`
             lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
             dense_optimizer=o.dense_optimizer, dense_lr=o.dense_lr,
             sync_every=config.grid.sync_every, delayed_moment_sync=config.grid.delayed_moment_sync,
-            sharding=m.sharding, seed=config.train.seed, towers=config.tower_config(),
+            sharding=m.sharding, row_wise_exchange=m.row_wise_exchange, seed=config.train.seed, towers=config.tower_config(),
             precision=config.train.precision, ne_window_steps=config.train.ne_window_steps,
         )
         return replace(engine, **overrides)
+
+    def with_compression(self, compression: Compression | None) -> "EngineConfig":
+        """This engine with `compression` (the job's, once the driver has counted its head ids)."""
+        return replace(self, model=replace(self.model, compression=compression))
 
     def embedding_optimizer(self, num_groups: int) -> MomentScaledRowWiseAdagrad:
         return MomentScaledRowWiseAdagrad(lr=self.lr, eps=self.eps,
@@ -335,7 +344,7 @@ class Trainer:
         else:
             model = build_model(config.spec, config.model, seed=config.seed, dense_device=device)
             self.plan = agree_on_plan(plan, model, grid, groups, device.type, fused, config.sharding)
-            self.model = shard_model(model, grid, groups, device, fused, self.plan)
+            self.model = shard_model(model, grid, groups, device, fused, self.plan, config.row_wise_exchange)
         self.dense_names, dense = zip(*dense_named_parameters(self.model))
         self.dense_optimizer = dense_optimizer(config.dense_optimizer, dense, config.dense_lr)
         self.state = TrainerState()
@@ -752,7 +761,10 @@ class Trainer:
         delayed moment sync's average in flight is not kept (the next sync starts a new one)."""
         self._init_dense_optimizer_state()
         snap = self.snapshot(copy=False)
-        return {
+        compression = self.config.model.compression
+        # a compressed model's rows mean its head ids: kept with them (only then: older checkpoints load as they were)
+        extra = {"compression": json.dumps(compression.record())} if compression is not None else {}
+        return {**extra,
             "model": self.model.state_dict(),
             "embedding_optimizer": self.model.fused_optimizer.state_dict(),
             "dense_optimizer": {k: v for k, v in snap.dense.items() if k.startswith("optim/")},
@@ -762,6 +774,12 @@ class Trainer:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        compression = self.config.model.compression
+        if compression is not None and sd.get("compression") != json.dumps(compression.record()):
+            raise ValueError(
+                "the storage checkpoint's QR compression (its settings or head-cache ids) is not this job's: its "
+                "rows would be read for other ids; resume with the model.compression, qr_* and head_* settings and "
+                "the training files of the job that wrote it")
         self._drop_pipeline()  # batches it prefetched follow the old cursor
         self.model.load_state_dict(sd["model"])
         self.model.fused_optimizer.load_state_dict(sd["embedding_optimizer"])

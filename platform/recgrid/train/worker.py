@@ -100,8 +100,9 @@ def _data(job: WorkerJob, rank: int, workers: int, eval_rank: int, eval_workers:
 
     loop, pin = job.loop, pin_batches(device)
     data = TrainData(EpochPlan(job.train_inputs, job.engine.seed, loop.batch_size, job.rows_per_unit),
-                     job.engine.spec, rank, workers, pin=pin)
-    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, eval_rank, eval_workers, pin=pin) \
+                     job.engine.spec, rank, workers, pin=pin, compression=job.engine.model.compression)
+    eval_data = EvalData(job.eval_inputs, job.engine.spec, loop.batch_size, eval_rank, eval_workers, pin=pin,
+                         compression=job.engine.model.compression) \
         if job.eval_inputs is not None else None
     return data, eval_data
 
