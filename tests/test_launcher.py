@@ -37,6 +37,7 @@ def _job(tmp: Path, uri: str, groups: int, extra: list[str] = ()):
 
 
 K, T, B = 5, 4, 128
+QR_HEAD = ["model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_operation=mult", "model.head_rows=64"]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,10 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     lines = [good] * 16
     lines[1] = good.replace("0a1b2c3d", "NOT-HEX!", 1)  # line 2: in the first worker's first batches
     (bad / "day_0").write_text("\n".join(lines) + "\n")
+    # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
+    # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
     chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.checkpoint_every=20"])
+                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD])
     seed = random.randrange(1 << 30)
     kills = []
     try:
@@ -251,6 +254,27 @@ def test_chaos_job_finishes_in_one_run_with_two_peer_recoveries(chaos):
     for name in ("train/loss", "train/qps", "eval/ne"):  # nothing logged twice for one step
         steps = [m.step for m in client.get_metric_history(r.run_id, name)]
         assert len(steps) == len(set(steps)), name
+
+
+def test_chaos_jobs_head_cache_is_counted_once_and_recorded(chaos, tmp_path):
+    """The QR job's head ids: one count over the training files by the driver, recorded as an
+    artifact (every attempt's workers get them from the driver), and its embedding bytes those of
+    the compressed tables (the uncompressed M=2 job's: the full ones)."""
+    import numpy as np
+
+    from recgrid.data.compress import embedding_bytes
+    from recgrid.data.specs import get_spec
+
+    client, c = chaos
+    r, cfg = c["result"], c["config"]
+    heads = np.load(client.download_artifacts(r.run_id, "compression/head_ids.npz", str(tmp_path)))
+    compressed = [f"C{f + 1}" for f, rows in enumerate(get_spec("tiny").table_rows) if rows > 2000]
+    assert sorted(heads.files) == sorted(compressed) and all(len(heads[f]) == 64 for f in compressed)
+    comp = cfg.compression().with_heads({int(f[1:]) - 1: heads[f] for f in heads.files})
+    spec = cfg.dataset_spec()
+    got = client.get_run(r.run_id).data.metrics["memory/embedding_bytes"]
+    assert got == embedding_bytes(spec, 16, compression=comp) < 0.5 * embedding_bytes(spec, 16)
+    assert client.get_run(c["baseline"].run_id).data.metrics["memory/embedding_bytes"] == embedding_bytes(spec, 16)
 
 
 def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):

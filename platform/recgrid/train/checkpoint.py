@@ -139,6 +139,13 @@ class Checkpointer:
         if not is_complete(path):
             raise FileNotFoundError(f"{path}: not a complete recgrid checkpoint (no .metadata)")
         sd = trainer.state_dict()
+        if "compression" in sd:  # a compressed model: the checkpoint's head ids first, before tables that may not fit
+            record: dict[str, Any] = {"compression": ""}
+            try:
+                dcp.load(record, storage_reader=_reader(path), process_group=trainer.groups.global_pg)
+            except Exception:  # noqa: BLE001 - written by an uncompressed model: no record
+                record["compression"] = None
+            trainer.check_compression(record["compression"])
         dcp.load(sd, storage_reader=_reader(path), process_group=trainer.groups.global_pg)
         trainer.load_state_dict(sd)
         return trainer.state.step
