@@ -52,6 +52,7 @@ bench: install
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/towers.py
+	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/simulate.py
 
 clean:

@@ -93,3 +93,29 @@ def test_towers_figures():
         said(text, f"| {s['eval_ne']['mean']:.3f} ± {s['eval_ne']['std']:.3f} | {s['eval_auc']['mean']:.3f} ± "
                    f"{s['eval_auc']['std']:.3f} | {s['step_time_s']['mean'] * 1000:.1f} | "
                    f"{s['cross_host_bytes_per_step']:,.0f} | {s['cross_host_world_size']:.0f} |")
+
+
+def test_compression_figures():
+    text = page()
+    c = json.loads((RESULTS / "compression.json").read_text())
+    for r in c["table"]:
+        gap = "—" if r["kind"] == "none" else f"{r['gap_pct_mean']:+.2f} ± {r['gap_pct_std']:.2f}".replace("-", "−")
+        agap = "—" if r["kind"] == "none" else f"{r['auc_gap_mean']:+.4f}".replace("-", "−")
+        said(text, f"| {r['label']} | {r['embedding_bytes'] / 1024:.0f} | {r['compression_ratio']:.2f}× | "
+                   f"{r['ne_mean']:.4f} ± {r['ne_std']:.4f} | {r['auc_mean']:.4f} ± {r['auc_std']:.4f} | {gap} | {agap} |")
+    v = c["verdict"]
+    assert v["answer"] == "no"  # the page says "does not recover"; a rerun that changes it must change the page
+    said(text, "does not recover QR's loss at equal memory on this data",
+         f"{sum(p['recovers'] for p in v['pairs'])} of {len(v['pairs'])} judged pairs pass")
+    cov = [x for seed in c["head_coverage"].values() for x in seed.values()]
+    said(text, f"covering {100 * min(cov):.0f}-{100 * max(cov):.0f}% of each table's lookups")
+    ne = {(r["kind"], r["c"], r["op"], r["seed"]): r["eval_ne"] for r in c["runs"]}
+    seeds = sorted({r["seed"] for r in c["runs"]})
+    wide = [ne[("qr+head+wide", 16, op, s)] > ne[("qr+head", 16, op, s)] for op in ("mult", "add", "concat") for s in seeds]
+    said(text, f"({sum(wide)} of {len(wide)} seed-paired runs)")
+    assert all(ne[("qr+head", 16, "mult", s)] < ne[("qr", 4, "mult", s)] for s in seeds)  # "in all 3 seeds"
+    for r in c["srp"]["rows"]:
+        said(text, f"| {r['L']} | {'multi-hot' if r['multi_hot'] else 'one-hot'} | {r['dense_bytes_per_step']:,.0f} | "
+                   f"{r['sparse_bytes_per_step']:,.0f} | {r['sparse_over_dense']:.3f} | "
+                   f"{r['expected_sparse_over_dense_uniform_ids']:.3f} | {r['dense_step_time_median_s'] * 1e3:.1f} | "
+                   f"{r['sparse_step_time_median_s'] * 1e3:.1f} |")

@@ -323,3 +323,218 @@ def test_plan_is_the_same_whatever_the_string_hash_seed():
         body.pop("planner_seconds", None)
         outs.append(body)
     assert outs[0] == outs[1]
+
+
+# ---- RecScale: compressed tables and SRP's exchange (issue 16) -------------------------------------------
+# Tiny models only: a sharding group of the tiny spec plans in a second or two.
+def _tiny_options(spec="tiny", **settings):
+    from recgrid.plan.recscale import apply_options
+    from recgrid.plan.tables import tables_from_spec
+
+    return apply_options(tables_from_spec(spec), spec, settings)
+
+
+def test_compressed_tables_are_priced_with_their_compressed_rows():
+    """QR at c=4 with a 64-row head on tiny's tables above 1000 rows: the model the planner prices
+    is data.compress's sizing (the engine's), a plan of it holds exactly those bytes, and memory,
+    the replica sync's bytes and the group counts that fit follow the compressed tables."""
+    from recgrid.data.compress import Compression, embedding_bytes
+    from recgrid.data.specs import get_spec
+    from recgrid.plan.planner import Cluster, dense_memory_bytes, evaluate, plan_group
+    from recgrid.plan.recscale import memory_summary
+    from recgrid.plan.tables import tables_from_spec
+
+    spec = get_spec("tiny")
+    plain = tables_from_spec("tiny")
+    model, done = _tiny_options(compression="qr", qr_threshold_rows=1000, qr_collisions=4, head_rows=64)
+    qr = Compression(threshold_rows=1000, collisions=4, head_rows=64)
+    heads = {f: 64 for f in qr.features(spec)}
+    assert len(done) == len(heads) == 14 and model.source == plain and model.features == 26
+    assert model.total_bytes == embedding_bytes(spec, 16, "fp32", qr, heads)
+    assert plain.total_bytes == embedding_bytes(spec, 16, "fp32")
+    assert model.total_bytes < plain.total_bytes / 2.5
+    by_name = {t.name: t for t in model.tables}
+    big = next(t for t in plain.tables if t.rows == 4000)
+    assert [by_name[big.name + s].rows for s in ("_h", "_q", "_r")] == [64, 1000, 4]
+    # without id frequencies a head catches no lookup: every id is looked up in q and in r
+    assert (by_name[big.name + "_h"].pooling, by_name[big.name + "_q"].pooling, by_name[big.name + "_r"].pooling) \
+        == (0.0, 1.0, 1.0)
+    assert model.dense_layers == plain.dense_layers  # the interaction sees the 26 combined features
+
+    cost = GpuCost(H100_SXM, 8)
+    for m, want in ((plain, plain.total_bytes), (model, model.total_bytes)):
+        group = plan_group(m, 8, 8, 512, cost, dense_memory_bytes(m, 512))
+        assert sum(group.weight_bytes) == want  # every row of every (compressed) table placed once
+    cluster = Cluster(8, 8, 512, cost)
+    c_plain, c_qr = evaluate(plain, cluster, 2), evaluate(model, cluster, 2)
+    assert c_qr.replica_overhead_bytes < c_plain.replica_overhead_bytes / 2.5
+    assert c_qr.sync_per_sync_s < c_plain.sync_per_sync_s  # the sync moves the smaller shards
+    # the group count it makes possible: 32 GPUs with room for 5 uncompressed copies' state, 16 compressed
+    budget = 5.5 * (plain.total_bytes + sum(t.rows for t in plain.tables) * 4) / 32
+    mem = memory_summary(model, 32, budget + dense_memory_bytes(model, 512), dense_memory_bytes(model, 512))
+    assert (mem.max_groups_uncompressed, mem.max_groups) == (4, 16)
+    assert mem.freed_bytes == plain.total_bytes - model.total_bytes and mem.compressed_tables == 14
+    for T in (8, 64):
+        m = memory_summary(model, T, 1e6, 1e5)
+        assert m.max_groups >= m.max_groups_uncompressed
+
+
+def test_head_coverage_sizes_the_head_by_the_ids_power_law():
+    from recgrid.plan.recscale import OptionsError, power_law_head, power_law_share
+
+    for rows, a, p in ((4000, 1.2, 0.5), (10**8, 1.05, 0.9), (1000, 1.0, 0.3)):
+        h = power_law_head(p, rows, a)
+        assert power_law_share(h, rows, a) >= p > power_law_share(h - 1, rows, a)
+    from recgrid.plan.recscale import apply_options
+    from recgrid.plan.tables import tables_from_spec
+
+    with pytest.raises(OptionsError, match="--head-coverage.*--id-zipf-exponent"):  # no counts to size it by
+        apply_options(tables_from_spec("tiny"), "tiny", {"compression": "qr", "qr_threshold_rows": 1000,
+                                                         "head_coverage": 0.5})
+    model, done = apply_options(tables_from_spec("tiny"), "tiny", {"compression": "qr", "qr_threshold_rows": 1000,
+                                                                   "head_coverage": 0.5}, id_zipf_exponent=1.2)
+    by_name = {t.name: t for t in model.tables}
+    for d in done:
+        assert d.head_share == 0.5 and d.head_rows == power_law_head(0.5, d.rows, 1.2)
+        assert by_name[d.name + "_h"].rows == d.head_rows
+        assert by_name[d.name + "_h"].pooling == by_name[d.name + "_q"].pooling == 0.5
+
+
+def test_srp_prices_row_wise_output_as_dense_times_occupancy():
+    """model.sharding row_wise at L=16: with SRP a row-wise option's output exchange (TorchRec's
+    reduce-scatter forward, all-gather backward) is the dense one x 1 - (1 - 1/W)^P, its ids'
+    all-to-all unchanged; the bytes a worker sends are the dense bytes x that occupancy (1/16
+    one-hot; more for multi-hot bags), never more than dense; TorchRec prices them dense."""
+    from recgrid.engine.srp import expected_occupancy
+    from recgrid.plan import planner
+    from recgrid.plan.planner import Cluster, evaluate
+
+    cost = GpuCost(H100_SXM, 8)
+    for spec in ("tiny", "tiny+multihot"):
+        dense, _ = _tiny_options(spec, sharding="row_wise")
+        sparse, _ = _tiny_options(spec, sharding="row_wise", row_wise_exchange="sparse")
+        spaces = []
+        for m in (dense, sparse):
+            with planner.quiet_torchrec():
+                spaces.append(planner._search_space(m, 16, 8, 512, cost, 1e9, ("row_wise",)))
+        pooling = {t.name: t.pooling for t in dense.tables}
+        for name, opts in spaces[0].options.items():
+            (d,), (s,) = opts, spaces[1].options[name]
+            occ = expected_occupancy(pooling[name], 16)
+            assert len(d.shards) == 16 and occ <= 1
+            for a, b in zip(d.shards, s.shards):
+                assert b.perf.fwd_comms == pytest.approx(a.perf.fwd_comms * occ, rel=1e-12)
+                assert b.perf.bwd_comms == pytest.approx(a.perf.bwd_comms * occ, rel=1e-12)
+                assert b.perf.input_dist_comms == a.perf.input_dist_comms
+                assert b.perf.fwd_compute == a.perf.fwd_compute
+        cluster = Cluster(16, 8, 512, cost)
+        cd, cs = evaluate(dense, cluster, 1), evaluate(sparse, cluster, 1)
+        assert cd.sharding == cs.sharding == {"row_wise": 26}
+        want = 512 * 15 * sum(16 * 4 for _ in dense.tables)  # B (W-1) sum D x 4 bytes
+        assert cd.row_wise_dense_bytes == cs.row_wise_dense_bytes == cd.row_wise_bytes == pytest.approx(want)
+        share = sum(expected_occupancy(pooling[t.name], 16) for t in dense.tables) / 26
+        assert cs.row_wise_bytes == pytest.approx(want * share) and cs.row_wise_bytes <= cd.row_wise_bytes
+        assert cs.lookup_a2a_s < cd.lookup_a2a_s and cs.peak_bytes == cd.peak_bytes
+        if spec == "tiny":
+            assert share == pytest.approx(1 / 16)
+        else:
+            assert 1 / 16 < share < 1
+    # TorchRec's planner prices row-wise output as dense: the enumeration without SRP is TorchRec's own
+    assert planner.ROW_WISE == "row_wise"
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"compression": "qr", "qr_threshold_rows": 1000, "qr_collisions": 1}, ["--qr-collisions", "model.qr_collisions"]),
+    ({"compression": "qr", "qr_threshold_rows": 10**6}, ["--qr-threshold-rows", "compresses no table"]),
+    ({"compression": "qr", "qr_threshold_rows": 1000, "head_coverage": 1.5}, ["--head-coverage", "(0, 1)"]),
+    ({"compression": "qr", "qr_threshold_rows": 1000, "qr_operation": "div"}, ["--qr-operation", "model.qr_operation"]),
+    ({"row_wise_exchange": "sparse"}, ["--row-wise-exchange", "model.sharding"]),
+    ({"compression": "zip"}, ["--compression", "model.compression"]),
+])
+def test_bad_model_settings_are_refused_naming_the_flag_and_field(settings, words):
+    from recgrid.plan.recscale import OptionsError
+
+    with pytest.raises(OptionsError) as e:
+        _tiny_options(**settings)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_bad_model_settings_on_a_tables_file_and_through_the_cli(capsys):
+    """A tables file has no dataset spec: the spec's rules (threshold, mult on multi-hot bags) are
+    checked on its tables; the command line names the flag and exits 2 before planning."""
+    from recgrid.cli import main
+    from recgrid.plan.recscale import OptionsError, apply_options
+
+    model = load_tables(CTR)
+    with pytest.raises(OptionsError, match="--qr-operation.*mult needs one id per bag"):
+        apply_options(model, None, {"compression": "qr"})  # ctr tables pool several ids per sample
+    with pytest.raises(OptionsError, match="--qr-threshold-rows.*t000"):
+        apply_options(model, None, {"compression": "qr", "qr_operation": "add", "qr_threshold_rows": 10**10})
+    odd = dataclasses.replace(model, tables=(dataclasses.replace(model.tables[0], dim=7),) + model.tables[1:])
+    with pytest.raises(OptionsError, match="--qr-operation.*odd"):
+        apply_options(odd, None, {"compression": "qr", "qr_operation": "concat"})
+    compressed, done = apply_options(model, None, {"compression": "qr", "qr_operation": "add", "qr_collisions": 16,
+                                                   "head_rows": 100_000})
+    assert len(done) == sum(t.rows > 1_000_000 for t in model.tables) and compressed.total_bytes < model.total_bytes / 8
+    base = ["plan", "--spec", "tiny", "--gpus", "8", "--batch-per-gpu", "64"]
+    for bad, words in ((["--compression", "qr", "--qr-threshold-rows", "1000", "--qr-collisions", "1"],
+                        ["--qr-collisions"]),
+                       (["--row-wise-exchange", "sparse"], ["--row-wise-exchange", "row_wise"]),
+                       (["--compression", "qr", "--qr-threshold-rows", "1000", "--id-zipf-exponent", "-1"],
+                        ["--id-zipf-exponent"])):
+        assert main(base + bad) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and all(w in captured.err for w in words), captured.err
+
+
+def test_plan_json_and_table_show_the_memory_freed_and_the_group_counts(capsys):
+    from recgrid.cli import main
+
+    args = ["--spec", "tiny", "--gpus-per-node", "8", "--batch-per-gpu", "512", "--sync-every", "1",
+            "--compression", "qr", "--qr-threshold-rows", "1000", "--head-rows", "64",
+            "--sharding", "row_wise", "--row-wise-exchange", "sparse"]
+    assert main(["plan", "--gpus", "8", "--json"] + args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    mem = plan["memory"]
+    assert mem["embedding_bytes"] < mem["embedding_bytes_uncompressed"] and mem["compressed_tables"] == 14
+    assert mem["freed_bytes"] == mem["embedding_bytes_uncompressed"] - mem["embedding_bytes"]
+    assert mem["max_groups"] >= mem["max_groups_uncompressed"] >= 1 and mem["max_feasible_groups"] == 8
+    assert plan["model"]["features"] == 26 and plan["model"]["tables"] == 54
+    m1 = next(c for c in plan["candidates"] if c["num_groups"] == 1)
+    assert m1["row_wise_exchange_bytes"]["priced"] < m1["row_wise_exchange_bytes"]["dense"]
+    assert main(["plan", "--gpus", "8"] + args) == 0
+    out = capsys.readouterr().out
+    assert "uncompressed ->" in out and "freed" in out and "row-wise output exchange, SRP" in out
+    assert main(["simulate", "--gpus", "8", "-L", "8", "--json"] + args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(r["embedding_memory"]["embedding_bytes"] == mem["embedding_bytes"] for r in rows)
+    assert all(r["row_wise_exchange_bytes"]["priced"] <= r["row_wise_exchange_bytes"]["dense"] for r in rows)
+
+
+def test_measured_occupancy_from_a_dense_and_a_sparse_run_replaces_the_formula_at_their_l(tmp_path):
+    """Two runs of one job at L=4 (a real sqlite MLflow store), dense and sparse, recording
+    exchange/bytes/row_wise: their medians' ratio is the occupancy priced at L=4 (skewed ids occupy
+    fewer shards than uniform ones); at another L the uniform-ids formula stays."""
+    from recgrid.plan.recscale import OptionsError, apply_options, measured_occupancy, row_wise_exchange_bytes
+    from recgrid.tracking import Tracker
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = {}
+    for exchange, values in (("dense", (1000.0, 1000.0, 1000.0)), ("sparse", (180.0, 200.0, 900.0))):
+        tracker = Tracker(experiment="srp", tracking_uri=store)
+        with tracker.start(f"T4-M1-{exchange}", params={"grid": {"world_size": 4, "num_groups": 1},
+                                                        "model": {"row_wise_exchange": exchange},
+                                                        "derived.group_size": 4}):
+            for step, v in enumerate(values, 1):
+                tracker.log_metrics({"exchange/bytes/row_wise": v}, step=step)
+        ids[exchange] = tracker.run_id
+    assert measured_occupancy(ids["dense"], ids["sparse"], store) == (4, pytest.approx(0.2))
+    with pytest.raises(OptionsError, match="expected dense"):
+        measured_occupancy(ids["sparse"], ids["dense"], store)
+    model, _ = apply_options(load_tables(CTR), None, {"sharding": "row_wise", "row_wise_exchange": "sparse"},
+                             measured=(4, 0.2))
+    names = [t.name for t in model.tables[:5]]
+    dense, priced = row_wise_exchange_bytes(model, names, 512, 4)
+    assert priced == pytest.approx(0.2 * dense)
+    uniform = row_wise_exchange_bytes(dataclasses.replace(model, measured_occupancy=()), names, 512, 8)
+    assert row_wise_exchange_bytes(model, names, 512, 8) == uniform and uniform[1] < uniform[0]

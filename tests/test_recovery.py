@@ -2,6 +2,7 @@
 exactly-once arithmetic, the row-range reader, in-memory snapshot/restore of the trainer, and
 storage checkpoints that reshard to another M and L. Real gloo process groups, real DCP."""
 
+import io
 import json
 import os
 import subprocess
@@ -308,6 +309,63 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k  # every table and moment, bit for bit
+
+
+class _Planted:
+    """What a planted checkpoint file unpickles into: a call that leaves a mark."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (open, (self.mark, "w"))
+
+
+def test_checkpoint_load_refuses_metadata_or_entries_that_are_not_data(tmp_path):
+    """A checkpoint directory on a shared volume may hold files anyone planted: recgrid's reader
+    loads a real checkpoint, and refuses (naming the file) a `.metadata` or a non-tensor entry that
+    names a callable, without calling it."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from recgrid.train import checkpoint
+
+    path = str(tmp_path / "checkpoint_step_00000004")
+    state = {"w": torch.arange(6.0), "progress": '{"step": 4}'}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+    def load() -> dict:
+        got = {"w": torch.zeros(6), "progress": ""}
+        checkpoint.read_checkpoint(path, got)
+        return got
+
+    got = load()
+    assert torch.equal(got["w"], state["w"]) and got["progress"] == state["progress"]
+
+    mark = tmp_path / "ran"
+    meta = os.path.join(path, ".metadata")
+    good = open(meta, "rb").read()
+    with open(meta, "wb") as f:
+        pickle.dump(_Planted(str(mark)), f)
+    with pytest.raises(checkpoint.CheckpointRefused, match=r"\.metadata.*names io\.open"):
+        load()
+    assert not mark.exists()
+
+    # genuine metadata again, but pointing the non-tensor entry at a planted pickle appended to its file
+    md = checkpoint.load_metadata(io.BytesIO(good), meta)
+    item = next(v for k, v in md.storage_data.items() if k.fqn == "progress")
+    planted = io.BytesIO()
+    torch.save(_Planted(str(mark)), planted)
+    data = os.path.join(path, item.relative_path)
+    item.offset, item.length = os.path.getsize(data), len(planted.getvalue())
+    with open(data, "ab") as f:
+        f.write(planted.getvalue())
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(checkpoint.CheckpointRefused, match="entry 'progress' is not checkpoint data.*It names io.open\\.$"):
+        load()
+    assert not mark.exists()
 
 
 # ---- the holder's shared-memory slot files ----------------------------------------------------------------

@@ -152,6 +152,24 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", default="1,5,25", metavar="K[,K...]",
                    help="sync intervals K to consider (default 1,5,25)")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    job = p.add_argument_group("the job's model settings (flags mirror the config's model.* fields, same defaults "
+                               "and checks; `recgrid keys model`)")
+    job.add_argument("--sharding", default=None, help="model.sharding: auto (the planner's choice per table) or one type")
+    job.add_argument("--row-wise-exchange", default=None, metavar="dense|sparse",
+                     help="model.row_wise_exchange: sparse prices SRP (row-wise output x occupancy 1-(1-1/W)^P)")
+    job.add_argument("--compression", default=None, metavar="none|qr", help="model.compression")
+    job.add_argument("--qr-threshold-rows", type=int, default=None, help="model.qr_threshold_rows")
+    job.add_argument("--qr-collisions", type=int, default=None, metavar="C", help="model.qr_collisions")
+    job.add_argument("--qr-operation", default=None, metavar="mult|add|concat", help="model.qr_operation")
+    job.add_argument("--head-rows", type=int, default=None, metavar="H", help="model.head_rows")
+    job.add_argument("--head-coverage", type=float, default=None, metavar="P",
+                     help="model.head_coverage (needs --id-zipf-exponent: the planner has no id counts)")
+    job.add_argument("--id-zipf-exponent", type=float, default=None, metavar="A",
+                     help="the ids' power-law exponent (as recgrid synth draws them): sizes a head by coverage and "
+                          "the head's share of the lookups; without it a head catches no lookups (an upper bound)")
+    job.add_argument("--srp-runs", default=None, metavar="DENSE_RUN,SPARSE_RUN",
+                     help="MLflow run ids of one job at one L, dense and sparse: their exchange/bytes/row_wise ratio "
+                          "replaces the uniform-ids occupancy at that L")
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

@@ -37,6 +37,7 @@ from recgrid.engine.grid import LAYOUTS, Grid, GridError
 from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES, default_dense_arch
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
 from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
+from recgrid.engine.srp import ROW_WISE_EXCHANGES, SPARSE_SHARDINGS
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
 
@@ -85,6 +86,8 @@ class ModelConfig:
     """Rank of the low-rank cross layers (arch "dcn" only)."""
     sharding: Literal[SHARDINGS] = "auto"
     """How tables are sharded over the L workers of a sharding group; "auto" lets TorchRec's planner choose per table. Elastic jobs with L > 1 cannot use table_row_wise or grid_shard (auto leaves them out)."""
+    row_wise_exchange: Literal[ROW_WISE_EXCHANGES] = "dense"
+    """How row-wise shards return their pooled partial sums to the workers that own the samples: "dense" (TorchRec's reduce-scatter, a partial sum for every bag, zeros included) or "sparse" (SRP: each shard sends only the partial sums of bags that have ids on it, in a variable-size all-to-all; same results, fewer bytes). "sparse" needs model.sharding: row_wise (not auto, table_row_wise or grid_shard yet) and no model.towers."""
     embedding_dtype: Literal[EMBEDDING_DTYPES] = "fp32"
     """Data type of the embedding tables' weights (TorchRec's table data type; optimizer states and pooled embeddings stay fp32): "fp16" halves table memory (the replica sync averages them in fp32, so its bytes stay fp32's). GPU workers only."""
     towers: str | None = None
@@ -288,6 +291,15 @@ class JobConfig:
             raise ConfigError(f"model.over_arch: must end in 1 (one logit per row), got {m.over_arch}")
         _at_least("model.dcn_num_layers", m.dcn_num_layers, 1)
         _at_least("model.dcn_low_rank_dim", m.dcn_low_rank_dim, 1)
+        if m.row_wise_exchange == "sparse":
+            if m.sharding not in SPARSE_SHARDINGS:
+                raise ConfigError(
+                    f"model.row_wise_exchange: sparse (SRP) exchanges row-wise shards only; model.sharding is "
+                    f"{m.sharding}, use {' or '.join(SPARSE_SHARDINGS)} (auto may choose types without a row-wise "
+                    f"exchange; table_row_wise and grid_shard are not covered yet)")
+            if m.towers is not None:
+                raise ConfigError("model.row_wise_exchange: sparse (SRP) does not apply to model.towers (DMT has its "
+                                  "own exchange); leave it dense")
         if m.towers is None and (m.tower_module != "none" or m.tower_compression != 1.0):
             raise ConfigError("model.tower_module: tower modules and their compression need model.towers "
                               "(a tower count or a partition file)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from recgrid.engine.device import device_indices, device_memory_bytes, placement
 from recgrid.engine.grid import Grid, GridGroups
+from recgrid.engine.srp import ROW_WISE_EXCHANGES, install_srp
 
 if TYPE_CHECKING:  # torchrec is heavy; config validation imports SHARDINGS from here
     import torch
@@ -210,10 +211,13 @@ def remap_plan(plan: "ShardingPlan", grid: Grid, sharding_group: int, device_typ
 
 
 def shard_model(model: "torch.nn.Module", grid: Grid, groups: GridGroups, device: "torch.device",
-                fused_params: dict[str, Any], plan: "ShardingPlan") -> "DistributedModelParallel":
+                fused_params: dict[str, Any], plan: "ShardingPlan",
+                row_wise_exchange: str = "dense") -> "DistributedModelParallel":
     """Shard `model`'s embedding tables inside this worker's sharding group with `plan` (the
     sharding group's plan in shard ranks, the same on every worker): a DMP-wrapped model whose
-    dense part is data-parallel over all T workers."""
+    dense part is data-parallel over all T workers. `row_wise_exchange` "sparse": the row-wise
+    shards return their partial sums by SRP's sparse all-to-all (`engine.srp`) instead of
+    TorchRec's reduce-scatter."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv2D
 
@@ -228,8 +232,13 @@ def shard_model(model: "torch.nn.Module", grid: Grid, groups: GridGroups, device
     # each shard on the device its worker computes on, as the worker reads it (collective)
     where = device_indices(groups.sharding_pg, device)
     local_plan = remap_plan(plan, grid, groups.coords.sharding_group, device.type, where)
-    return DistributedModelParallel(model, env=env, device=device, plan=local_plan,
-                                    sharders=[grid_sharder(fused_params)])
+    dmp = DistributedModelParallel(model, env=env, device=device, plan=local_plan,
+                                   sharders=[grid_sharder(fused_params)])
+    if row_wise_exchange not in ROW_WISE_EXCHANGES:
+        raise ValueError(f"row_wise_exchange must be one of {list(ROW_WISE_EXCHANGES)}, got {row_wise_exchange!r}")
+    if row_wise_exchange == "sparse":
+        install_srp(dmp)
+    return dmp
 
 
 def sharding_summary(plan: "ShardingPlan") -> dict[str, str]:

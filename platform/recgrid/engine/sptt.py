@@ -45,8 +45,11 @@ from recgrid.data.specs import SPARSE_NAMES, DatasetSpec
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.towers import LocalShard, TowerConfig, TowerError, TowerLayout, shards_by_rank
 
-# The all-to-alls of the embedding exchange, as the metrics name them.
+# The all-to-alls of the embedding exchange, as the metrics name them, and the parts of them
+# metered on their own as well ("row_wise": the row-wise shards' output exchange inside "flat",
+# TorchRec's reduce-scatter or SRP's sparse all-to-all; engine.srp).
 EXCHANGE_KINDS: tuple[str, ...] = ("flat", "intra_tower", "cross_tower")
+EXCHANGE_PARTS: tuple[str, ...] = ("row_wise",)
 
 
 # ---- the meter -----------------------------------------------------------------------------------
@@ -65,7 +68,7 @@ class ExchangeMeter:
 
     def _reset(self) -> None:
         self.steps = 0
-        self.bytes: dict[str, float] = dict.fromkeys(EXCHANGE_KINDS, 0.0)
+        self.bytes: dict[str, float] = dict.fromkeys(EXCHANGE_KINDS + EXCHANGE_PARTS, 0.0)
         self.cross_host = 0.0
         self.intra_host = 0.0
 
@@ -74,16 +77,18 @@ class ExchangeMeter:
         if training:
             self.steps += 1
 
-    def record(self, kind: str, ranks: Sequence[int], bytes_to: Sequence[int]) -> None:
-        """One all-to-all over the workers `ranks` (global), sending `bytes_to[i]` to `ranks[i]`."""
+    def record(self, kind: str, ranks: Sequence[int], bytes_to: Sequence[int], part: str | None = None) -> None:
+        """One all-to-all over the workers `ranks` (global), sending `bytes_to[i]` to `ranks[i]`;
+        `part` (one of `EXCHANGE_PARTS`): the bytes also count there (not twice in the host totals)."""
         if not self.counting:
             return
-        self.world[kind] = max(self.world.get(kind, 0), len(ranks))
+        for k in (kind, part) if part is not None else (kind,):
+            self.world[k] = max(self.world.get(k, 0), len(ranks))
+            self.bytes[k] += sum(b for r, b in zip(ranks, bytes_to) if r != self.rank)
         me = self.node_of(self.rank)
         for r, b in zip(ranks, bytes_to):
             if r == self.rank or not b:
                 continue
-            self.bytes[kind] += b
             if self.node_of(r) != me:
                 self.cross_host += b
                 self.cross_host_world = max(self.cross_host_world, len(ranks))
@@ -95,11 +100,12 @@ class ExchangeMeter:
         it): bytes per step per worker (mean over workers) and world sizes (max)."""
         from recgrid.engine.device import collective_device
 
-        n = len(EXCHANGE_KINDS)
+        kinds = EXCHANGE_KINDS + EXCHANGE_PARTS
+        n = len(kinds)
         per_step = 1.0 / self.steps if self.steps else 0.0
-        sums = torch.tensor([self.bytes[k] * per_step for k in EXCHANGE_KINDS]
+        sums = torch.tensor([self.bytes[k] * per_step for k in kinds]
                             + [self.cross_host * per_step, self.intra_host * per_step, 1.0], dtype=torch.float64)
-        maxes = torch.tensor([float(self.world.get(k, 0)) for k in EXCHANGE_KINDS] + [float(self.cross_host_world)],
+        maxes = torch.tensor([float(self.world.get(k, 0)) for k in kinds] + [float(self.cross_host_world)],
                              dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             dev = collective_device(group, device or torch.device("cpu"))
@@ -112,7 +118,7 @@ class ExchangeMeter:
         self._reset()
         workers = float(sums[-1])
         out: dict[str, float] = {}
-        for i, k in enumerate(EXCHANGE_KINDS):
+        for i, k in enumerate(kinds):
             if maxes[i] > 0:
                 out[f"exchange/world_size/{k}"] = float(maxes[i])
                 out[f"exchange/bytes/{k}"] = float(sums[i]) / workers
@@ -126,9 +132,12 @@ class ExchangeMeter:
 def exchange_meter(model: nn.Module, grid: Grid, rank: int) -> ExchangeMeter:
     """The meter of `model`'s embedding exchange: a tower model's own, or one fed by hooks on the
     pooled-embedding all-to-alls of TorchRec's sharded modules (table-, column- and row-wise
-    shards; table-row-wise and grid shards exchange in two levels and are not counted)."""
+    shards, row-wise ones also as the part "row_wise"; SRP's dists record what they send
+    themselves; table-row-wise and grid shards exchange in two levels and are not counted)."""
     from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
     from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
+
+    from recgrid.engine.srp import is_sparse_dist
 
     for m in model.modules():
         if isinstance(m, TowerSparseArch):
@@ -140,20 +149,23 @@ def exchange_meter(model: nn.Module, grid: Grid, rank: int) -> ExchangeMeter:
             continue
         m.register_forward_pre_hook(lambda mod, args: meter.begin_step(mod.training and torch.is_grad_enabled()))
         for d in dists:
-            if isinstance(d, (TwPooledEmbeddingDist, RwPooledEmbeddingDist)) and getattr(d, "_pg", None) is not None:
+            if is_sparse_dist(d):
+                d.meter = meter
+            elif isinstance(d, (TwPooledEmbeddingDist, RwPooledEmbeddingDist)) and getattr(d, "_pg", None) is not None:
                 ranks = dist.get_process_group_ranks(d._pg)
-                d.register_forward_pre_hook(functools.partial(_meter_torchrec, meter, ranks))
+                part = "row_wise" if isinstance(d, RwPooledEmbeddingDist) else None
+                d.register_forward_pre_hook(functools.partial(_meter_torchrec, meter, ranks, part))
     return meter
 
 
-def _meter_torchrec(meter: ExchangeMeter, ranks: list[int], module: nn.Module, args: tuple) -> None:
+def _meter_torchrec(meter: ExchangeMeter, ranks: list[int], part: str | None, module: nn.Module, args: tuple) -> None:
     embs = args[0]
     if not torch.is_tensor(embs):
         return
     ctx = args[1] if len(args) > 1 else None
     per_rank = list(getattr(ctx, "batch_size_per_rank", None) or []) or [embs.size(0) // len(ranks)] * len(ranks)
     row = embs.size(1) * embs.element_size()
-    meter.record("flat", ranks, [b * row for b in per_rank])
+    meter.record("flat", ranks, [b * row for b in per_rank], part=part)
 
 
 # ---- collectives with autograd -----------------------------------------------------------------------

@@ -46,6 +46,10 @@ from typing import Iterator, Sequence
 
 from recgrid.plan.constants import GB, MIN_COLUMN_SHARD_BYTES, PROFILES
 from recgrid.plan.cost import CpuCost, GpuCost
+from recgrid.plan.recscale import (
+    MemorySummary, OptionsError, apply_args, describe, exchange_label, memory_summary, price_sparse_exchange,
+    row_wise_exchange_bytes,
+)
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec, TablesError, resolve_model
 
 # Sharding types the planner considers for every table: table-wise, column-wise and
@@ -153,6 +157,8 @@ class GroupPlan:
     input_comms_s: tuple[float, ...] = ()
     """Per shard rank, the part of `comms_s` that distributes the ids (TorchRec's input_dist_comms);
     the rest returns pooled embeddings and their gradients (what a DMT tower module compresses)."""
+    row_wise_tables: tuple[str, ...] = ()
+    """The tables the plan shards row-wise (whose output exchange SRP makes sparse)."""
 
     @property
     def sparse_bytes(self) -> list[int]:
@@ -314,6 +320,7 @@ def _search_space(model: ModelTables, L: int, per_node: int, batch: int, cost, r
     if "column_wise" in sharding_types:
         for width, names in _narrow_column_widths(model, L).items():
             _add_options(options, model, names, width, topology, batch, sharder)
+    price_sparse_exchange(model, options)  # SRP: a row-wise option's output exchange by its occupancy
     for name, opts in options.items():
         options[name] = _distinct(opts)
     reserved = FixedAbsoluteStorageReservation(int(min(reserve_bytes, cost.capacity))).reserve(
@@ -548,8 +555,11 @@ def _summarize(plan, L: int, per_node: int, fits: bool) -> tuple[GroupPlan, list
     weights, optim, activ = [0] * L, [0] * L, [0] * L
     sharding: Counter = Counter()
     on_rank: dict[int, list[tuple[float, str]]] = {}
+    row_wise = []
     for so in plan:
         sharding[so.sharding_type] += 1
+        if so.sharding_type == ROW_WISE:
+            row_wise.append(so.name)
         dim = so.tensor.shape[1]
         for sh in so.shards:
             r, perf = sh.rank, sh.perf
@@ -570,7 +580,7 @@ def _summarize(plan, L: int, per_node: int, fits: bool) -> tuple[GroupPlan, list
     plan_out = GroupPlan(group_size=L, per_node=per_node, sharding=dict(sharding), lookup_s=tuple(lookup),
                          comms_s=tuple(comms), weight_bytes=tuple(weights), optimizer_bytes=tuple(optim),
                          activation_bytes=tuple(activ), fits=fits, proposals=0, seconds=0.0,
-                         input_comms_s=tuple(ids))
+                         input_comms_s=tuple(ids), row_wise_tables=tuple(sorted(row_wise)))
     return plan_out, hot, big
 
 
@@ -580,7 +590,7 @@ def dense_flops_per_sample(model: ModelTables) -> float:
     multiply-add of a dot interaction)."""
     flops = 6.0 * sum(i * o for i, o in model.dense_layers)
     if model.dense.interaction == "dot":
-        n = len(model.tables) + 1
+        n = model.features + 1
         flops += 6.0 * n * n * model.dense.bottom_mlp[-1]
     return flops
 
@@ -620,6 +630,11 @@ class Candidate:
     sharding: dict[str, int]
     planner_fits: bool
     samples_per_step: int
+    row_wise_dense_bytes: float = 0.0
+    """Bytes a worker sends per step in its row-wise tables' forward output exchange, dense
+    (TorchRec's reduce-scatter); backward sends as many back."""
+    row_wise_bytes: float = 0.0
+    """The same as priced: x occupancy with SRP (`row_wise_exchange: sparse`), else the dense bytes."""
 
     @property
     def step_s(self) -> float:
@@ -654,6 +669,8 @@ class Candidate:
                           "dense": gb(self.dense_bytes), "capacity": gb(self.capacity_bytes)},
             "lookup_imbalance": round(self.lookup_imbalance, 3),
             "sharding": self.sharding,
+            "row_wise_exchange_bytes": {"dense": round(self.row_wise_dense_bytes),
+                                        "priced": round(self.row_wise_bytes)},
         }
 
 
@@ -667,6 +684,8 @@ def evaluate(model: ModelTables, cluster: Cluster, num_groups: int, sync_every: 
     if sync_every < 1:
         raise PlanError(f"sync_every (K) must be >= 1, got {sync_every}")
     layouts = [layout] if layout else layouts_for(cluster, num_groups)
+    if model.sharding != "auto" and sharding_types == PLAN_SHARDING_TYPES:
+        sharding_types = (model.sharding,)  # the job's model.sharding, not the planner's choice
     priced = [_evaluate(model, cluster, num_groups, sync_every, lay, sharding_types) for lay in layouts]
     return max(priced, key=lambda c: (c.feasible, c.qps))
 
@@ -696,6 +715,7 @@ def _evaluate(model: ModelTables, cluster: Cluster, num_groups: int, sync_every:
     shard_bytes = max(w + o for w, o in zip(group.weight_bytes, group.optimizer_bytes))
     sync_one = cost.allreduce_seconds(shard_bytes, M, replica_per_node) if M > 1 else 0.0
     state_bytes = sum(group.weight_bytes) + sum(group.optimizer_bytes)  # S: one full copy
+    rw_dense, rw_priced = row_wise_exchange_bytes(model, group.row_wise_tables, B, L)
     return Candidate(
         num_groups=M, group_size=L, sync_every=sync_every if M > 1 else 1, layout=grid.layout,
         lookup_s=max(group.lookup_s) + cost.lookup_overhead(group.kernels),
@@ -706,6 +726,7 @@ def _evaluate(model: ModelTables, cluster: Cluster, num_groups: int, sync_every:
         optimizer_bytes=group.optimizer_bytes[peak], activation_bytes=group.activation_bytes[peak],
         dense_bytes=dense_bytes, capacity_bytes=cost.capacity, lookup_imbalance=group.lookup_imbalance,
         sharding=group.sharding, planner_fits=group.fits, samples_per_step=T * B,
+        row_wise_dense_bytes=rw_dense, row_wise_bytes=rw_priced,
     )
 
 
@@ -718,12 +739,19 @@ class Plan:
     recommended: Candidate | None
     reason: str
     seconds: float
+    memory: MemorySummary | None = None
+
+    @property
+    def max_feasible_groups(self) -> int:
+        """The largest M among the candidates that fit (0: none)."""
+        return max((c.num_groups for c in self.candidates if c.feasible), default=0)
 
     def to_json(self) -> dict:
         c = self.cluster
         return {
             "model": {"name": self.model.name, "tables": len(self.model.tables),
-                      "table_bytes": self.model.total_bytes, "dense_params": self.model.dense_params},
+                      "table_bytes": self.model.total_bytes, "dense_params": self.model.dense_params,
+                      "features": self.model.features},
             "cluster": {"gpus": c.gpus, "gpus_per_node": c.gpus_per_node, "batch_per_gpu": c.batch_per_gpu,
                         "hbm_gb": round(c.cost.capacity / GB, 3)},
             "candidates": [x.to_json() for x in self.candidates],
@@ -731,6 +759,9 @@ class Plan:
                             if self.recommended else None),
             "reason": self.reason,
             "planner_seconds": round(self.seconds, 2),
+            "exchange": {"row_wise": self.model.row_wise_exchange, "sharding": self.model.sharding},
+            "memory": {**(self.memory.to_json() if self.memory else {}),
+                       "max_feasible_groups": self.max_feasible_groups},
         }
 
 
@@ -802,8 +833,10 @@ def make_plan(model: ModelTables, cluster: Cluster, sync_every: Sequence[int] = 
         if progress:
             progress(f"M={M:<4} L={cluster.gpus // M:<5} planned in {time.perf_counter() - t1:.1f}s")
     rec, reason = recommend(candidates)
+    memory = memory_summary(model, cluster.gpus, cluster.cost.capacity,
+                            dense_memory_bytes(model, cluster.batch_per_gpu))
     return Plan(model=model, cluster=cluster, candidates=candidates, recommended=rec, reason=reason,
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, memory=memory)
 
 
 # ---- presentation -------------------------------------------------------------------------------
@@ -811,7 +844,7 @@ def format_plan(plan: Plan) -> str:
     c = plan.cluster
     m = plan.model
     lines = [
-        f"{m.name}: {len(m.tables)} tables, {m.total_bytes / 1e12:.3g} TB fp32, dense {m.dense_params / 1e6:.1f} M "
+        f"{m.name}: {describe(m)}, dense {m.dense_params / 1e6:.1f} M "
         f"params | T={c.gpus} GPUs, {c.gpus_per_node} per node, {c.cost.capacity / GB:.0f} GB each, "
         f"batch {c.batch_per_gpu} per GPU",
         "",
@@ -835,10 +868,30 @@ def format_plan(plan: Plan) -> str:
         "lookup, a2a: the slowest worker's embedding lookup and all-to-all inside its sharding group (TorchRec's "
         "estimators); d-AR: dense all-reduce over all T; sync: replica sync / K; memory: the fullest worker "
         "(+repl: S(M-1)/T of it is the replica overhead).",
-        "",
-        plan.reason,
     ]
+    lines += exchange_lines(plan.candidates, m)
+    if plan.memory is not None:
+        lines += [""] + plan.memory.lines(c.gpus, c.cost.capacity)
+        lines.append(f"largest group count among the priced candidates that fits: "
+                     f"{'none' if not plan.max_feasible_groups else f'M={plan.max_feasible_groups}'}")
+    lines += ["", plan.reason]
     return "\n".join(lines)
+
+
+def exchange_lines(candidates: Sequence[Candidate], model: ModelTables) -> list[str]:
+    """The row-wise output exchange per M (the first K of each), when some plan shards row-wise."""
+    seen: dict[int, Candidate] = {}
+    for x in candidates:
+        if x.row_wise_dense_bytes > 0:
+            seen.setdefault(x.num_groups, x)
+    if not seen:
+        return []
+    how = exchange_label(model)
+    cells = [f"M={m} (L={x.group_size}, {x.sharding.get('row_wise', 0)} tables): "
+             f"{x.row_wise_dense_bytes / 1e6:.2f} MB dense -> {x.row_wise_bytes / 1e6:.2f} MB priced"
+             for m, x in sorted(seen.items())]
+    return ["", f"row-wise output exchange, {how}, MB a worker sends per step forward (as many back):"] + \
+        [f"  {c}" for c in cells]
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -871,7 +924,7 @@ def progress_printer(enabled: bool):
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        model = resolve_model(args.spec, args.tables)
+        model, _ = apply_args(resolve_model(args.spec, args.tables), args)
         ks = parse_int_list(args.sync_every, "--sync-every")
         cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, batch_per_gpu=args.batch_per_gpu,
                           cost=gpu_cost(args))
@@ -879,7 +932,7 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"[plan] planning {len(model.tables)} tables for every M dividing T={cluster.gpus} "
                   f"with TorchRec's planner ...", file=sys.stderr, flush=True)
         plan = make_plan(model, cluster, ks, progress=progress_printer(not args.json))
-    except (PlanError, TablesError) as e:
+    except (PlanError, TablesError, OptionsError) as e:
         print(f"recgrid plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_json()) if args.json else format_plan(plan))

@@ -37,6 +37,7 @@ from recgrid.plan.planner import (
     A2A_PER_SHARDING_TYPE, DEFAULT_SYNC_EVERY, QPS_TOLERANCE, Candidate, Cluster, PlanError, dense_memory_bytes,
     evaluate, gpu_cost, parse_int_list, plan_group,
 )
+from recgrid.plan.recscale import MemorySummary, OptionsError, apply_args, describe, exchange_label, memory_summary
 from recgrid.plan.tables import ModelTables, TablesError, resolve_model
 
 
@@ -113,6 +114,7 @@ class SimRow:
     candidate: Candidate
     scaling_factor: float | None
     dmt: DmtExchange | None = None
+    memory: MemorySummary | None = None
 
     @property
     def oom(self) -> bool:
@@ -131,6 +133,9 @@ class SimRow:
             "memory_gb": {"tables": gb(c.tables_bytes), "optimizer": gb(c.optimizer_bytes),
                           "lookup_activations": gb(c.activation_bytes), "dense": gb(c.dense_bytes)},
         }
+        out["row_wise_exchange_bytes"] = {"dense": round(c.row_wise_dense_bytes), "priced": round(c.row_wise_bytes)}
+        if self.memory is not None:
+            out["embedding_memory"] = self.memory.to_json()
         if self.dmt is not None:
             out.update(towers=self.dmt.towers, tower_compression=self.dmt.compression, exchange=self.dmt.to_json())
         return out
@@ -228,6 +233,8 @@ def simulate(model: ModelTables, gpus: Sequence[int], group_size: int, batch_per
     rows: list[SimRow] = []
     base: dict[str, tuple[int, float] | None] = {}
 
+    memory: MemorySummary | None = None
+
     def add(T: int, strategy: str, c: Candidate, ex: DmtExchange | None = None) -> None:
         if strategy not in base:
             base[strategy] = (T, c.qps) if c.feasible else None
@@ -235,11 +242,12 @@ def simulate(model: ModelTables, gpus: Sequence[int], group_size: int, batch_per
         factor = None
         if ref is not None and c.feasible:
             factor = (c.qps / ref[1]) / (T / ref[0])
-        rows.append(SimRow(T, strategy, c, factor, ex))
+        rows.append(SimRow(T, strategy, c, factor, ex, memory))
 
     for T in sorted(gpus):
         t0 = time.perf_counter()
         cluster = Cluster(gpus=T, gpus_per_node=gpus_per_node, batch_per_gpu=batch_per_gpu, cost=cost_for(T))
+        memory = memory_summary(model, T, cluster.cost.capacity, dense_memory_bytes(model, batch_per_gpu))
         priced: dict[str, Candidate] = {}
         for strategy, price in STRATEGIES.items():
             priced[strategy] = price(model, cluster, group_size, sync_every)
@@ -253,7 +261,7 @@ def simulate(model: ModelTables, gpus: Sequence[int], group_size: int, batch_per
 
 def format_rows(rows: Sequence[SimRow], model: ModelTables, group_size: int, batch: int) -> str:
     lines = [
-        f"{model.name}: {len(model.tables)} tables, {model.total_bytes / 1e12:.3g} TB fp32 | batch {batch} per GPU | "
+        f"{model.name}: {describe(model)} | batch {batch} per GPU | "
         f"2-D sharding groups of L={group_size}",
         "",
         f"{'GPUs':>6}  {'strategy':<15} {'M':>4} {'K':>3} {'layout':<10} {'step ms':>8} {'QPS M/s':>9} {'scaling':>8} "
@@ -270,6 +278,18 @@ def format_rows(rows: Sequence[SimRow], model: ModelTables, group_size: int, bat
     lines += ["", "scaling: QPS speed-up over the smallest GPU count / the GPU-count multiplier (1.0 = linear); "
                   "K: the planner's sync interval for that M; memory (GB): the fullest GPU's tables, optimizer state, "
                   "lookup activations (TorchRec's input and output estimates) and dense part."]
+    rw = [r for r in rows if r.candidate.row_wise_dense_bytes > 0]
+    if rw:
+        lines += ["", f"row-wise output exchange, {exchange_label(model)}, MB a worker sends per step forward "
+                      f"(as many back): dense -> priced"]
+        lines += [f"{r.gpus:>6}  {r.strategy:<15} {r.candidate.row_wise_dense_bytes / 1e6:>10.2f} -> "
+                  f"{r.candidate.row_wise_bytes / 1e6:.2f}" for r in rw]
+    by_t = {r.gpus: r.memory for r in rows if r.memory is not None}
+    if by_t:
+        lines += [""] + by_t[min(by_t)].lines(min(by_t), rows[0].candidate.capacity_bytes)[:1]
+        lines += [f"  T={T}: M copies fit for " + (f"uncompressed M <= {m.max_groups_uncompressed}, compressed "
+                                                   f"M <= {m.max_groups}" if m.compressed_tables else
+                                                   f"M <= {m.max_groups}") for T, m in sorted(by_t.items())]
     dmt_rows = [r for r in rows if r.dmt is not None]
     if dmt_rows:
         flat = {r.gpus: r for r in rows if r.strategy == "model_parallel"}
@@ -302,7 +322,7 @@ def dmt_option_from_args(args: argparse.Namespace) -> DmtOption | None:
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        model = resolve_model(args.spec, args.tables)
+        model, _ = apply_args(resolve_model(args.spec, args.tables), args)
         gpus = parse_int_list(args.gpus, "--gpus")
         ks = parse_int_list(args.sync_every, "--sync-every")
         L = args.sharding_group_size
@@ -316,7 +336,7 @@ def run_cli(args: argparse.Namespace) -> int:
         progress = None if args.json else (lambda m: print(f"[simulate] {m}", file=sys.stderr, flush=True))
         rows = simulate(model, gpus, L, args.batch_per_gpu, args.gpus_per_node, lambda T: cost, ks, progress,
                         dmt_option=option)
-    except (PlanError, TablesError) as e:
+    except (PlanError, TablesError, OptionsError) as e:
         print(f"recgrid simulate: {e}", file=sys.stderr)
         return 2
     print(json.dumps([r.to_json() for r in rows]) if args.json else format_rows(rows, model, L, args.batch_per_gpu))

@@ -84,11 +84,22 @@ class DenseSpec:
 
 @dataclass(frozen=True)
 class ModelTables:
-    """What the planner needs of a model: its tables and its dense part."""
+    """What the planner needs of a model: its tables, its dense part, and how the job shards them
+    (model.sharding) and exchanges row-wise shards' output (model.row_wise_exchange)."""
 
     name: str
     tables: tuple[TableSpec, ...]
     dense: DenseSpec = field(default_factory=DenseSpec)
+    source: "ModelTables | None" = None
+    """For tables rewritten by QR compression (plan.recscale.compress_model): the model as described,
+    whose features the dense part's interaction sees (the compressed parts combine before it)."""
+    sharding: str = "auto"
+    """model.sharding: "auto" lets the planner choose per table; any other value is every table's type."""
+    row_wise_exchange: str = "dense"
+    """How row-wise shards return pooled partial sums: "dense" (TorchRec's reduce-scatter) or
+    "sparse" (SRP, priced by plan.recscale)."""
+    measured_occupancy: tuple[tuple[int, float], ...] = ()
+    """SRP's measured share of the dense row-wise exchange bytes, by sharding group size L."""
 
     @property
     def total_bytes(self) -> int:
@@ -100,8 +111,14 @@ class ModelTables:
         return sum(t.dim for t in self.tables)
 
     @property
+    def features(self) -> int:
+        """Features the interaction sees: the tables as described (before compression)."""
+        return len((self.source or self).tables)
+
+    @property
     def dense_layers(self) -> list[tuple[int, int]]:
-        return self.dense.layers(len(self.tables), self.embedding_width)
+        m = self.source or self
+        return self.dense.layers(len(m.tables), m.embedding_width)
 
     @property
     def dense_params(self) -> int:

@@ -14,11 +14,21 @@ DTensors, replicated over the replica axis, and DCP's planner writes each replic
 once, so a job with M sharding groups writes one copy of the model, not M, split over the
 workers. Loading is resharding: a checkpoint written at T=4, M=2 loads into T=4, M=1 or
 T=2, M=1 (another L, another plan) because DCP reads whatever overlaps each new shard.
+
+Reading is restricted to data. A checkpoint directory on a shared volume holds whatever anyone
+who can write there put in it, and DCP unpickles two things from it: the `.metadata` file
+(`pickle.load`, which calls any callable the file names) and the non-tensor entries
+(`torch.load(weights_only=False)`). `load` reads `.metadata` with an unpickler that admits only
+DCP's metadata classes and the torch types they carry (`METADATA_GLOBALS`), and the non-tensor
+entries with `torch.load(weights_only=True)` (recgrid writes them as JSON strings and plain
+tensors); a file that names anything else is refused with its path and the name.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -54,14 +64,100 @@ def _writer(path: str) -> Any:
     return dcp.FileSystemWriter(path.removeprefix("file://"))
 
 
-def _reader(path: str) -> Any:
+# What a checkpoint's `.metadata` may name when it is unpickled: (module, name) pairs, "*" for
+# every name of a module. DCP's metadata classes, the path and the storage info its filesystem
+# writer records, and the torch types they carry (dtypes are admitted by `_metadata_global`).
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("torch.distributed.checkpoint.metadata", "*"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class CheckpointRefused(pickle.UnpicklingError):
+    """A checkpoint whose metadata names something that is not checkpoint data."""
+
+
+def _metadata_global(path: str, module: str, name: str) -> Any:
+    import importlib
+
+    import torch
+
+    if (module, name) in METADATA_GLOBALS or (module, "*") in METADATA_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    raise CheckpointRefused(f"{path}: the checkpoint's metadata names {module}.{name}, which is not checkpoint "
+                            f"data (a planted or foreign file?); refusing to load it")
+
+
+def load_metadata(stream: Any, path: str) -> Any:
+    """Unpickle a checkpoint's `.metadata` from `stream`, admitting only `METADATA_GLOBALS`."""
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return _metadata_global(path, module, name)
+
+    return Restricted(stream).load()
+
+
+@functools.cache
+def _reader_classes() -> tuple[type, type]:
+    """DCP's file-system and fsspec readers, reading `.metadata` through `load_metadata`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
+    def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    local = type("SafeFileSystemReader", (dcp.FileSystemReader,), {"read_metadata": read_metadata})
+    remote = type("SafeFsspecReader", (FsspecReader,), {"read_metadata": read_metadata})
+    return local, remote
+
+
+@functools.cache
+def _load_planner_class() -> type:
+    """DCP's default load planner, refusing a non-tensor entry that `torch.load(weights_only=True)`
+    refuses before DCP loads it (DCP itself loads them with `weights_only=False`)."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        path = "<checkpoint>"
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            data = value.read()
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except pickle.UnpicklingError as e:
+                why = next((line.split("Unsupported global:")[1].split(" was not")[0].strip()
+                            for line in str(e).splitlines() if "Unsupported global:" in line), "")
+                why = f" It names {why.removeprefix('GLOBAL ')}." if why else ""
+                raise CheckpointRefused(f"{self.path}: entry {read_item.dest_index.fqn!r} is not checkpoint data "
+                                        f"(a planted or foreign file?); refusing to load it.{why}") from None
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return SafeLoadPlanner
+
+
+def _reader(path: str) -> Any:
+    local, remote = _reader_classes()
     if _is_uri(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(path)
-    return dcp.FileSystemReader(path.removeprefix("file://"))
+        return remote(path)
+    return local(path.removeprefix("file://"))
 
 
 def is_complete(path: str) -> bool:
@@ -142,13 +238,39 @@ class Checkpointer:
         if "compression" in sd:  # a compressed model: the checkpoint's head ids first, before tables that may not fit
             record: dict[str, Any] = {"compression": ""}
             try:
-                dcp.load(record, storage_reader=_reader(path), process_group=trainer.groups.global_pg)
+                read_checkpoint(path, record, trainer.groups.global_pg)
+            except CheckpointRefused:
+                raise
             except Exception:  # noqa: BLE001 - written by an uncompressed model: no record
                 record["compression"] = None
             trainer.check_compression(record["compression"])
-        dcp.load(sd, storage_reader=_reader(path), process_group=trainer.groups.global_pg)
+        read_checkpoint(path, sd, trainer.groups.global_pg)
         trainer.load_state_dict(sd)
         return trainer.state.step
+
+
+def read_checkpoint(path: str, state: dict[str, Any], process_group: Any = None) -> None:
+    """Load `state` in place from the checkpoint at `path` (collective over `process_group`; None
+    outside torch.distributed), reading its metadata and non-tensor entries as data only (see the
+    module docstring): `CheckpointRefused` names the file or entry that is not."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    reader = _reader(path)
+    reader.read_metadata()  # refused here, where the refusal is raised (DCP's load would catch it)
+    planner = _load_planner_class()()
+    planner.path = path
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group,
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as e:  # DCP gathers every rank's failure: the refusal is the one to say
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]  # (exception, traceback)
+        refused = [f for f in failures if isinstance(f, CheckpointRefused)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def report_checkpoint(path: str | None, step: int, metrics: dict[str, float]) -> None:

@@ -90,6 +90,8 @@ class EngineConfig:
         sync_every: K, steps between replica syncs.
         delayed_moment_sync: average optimizer states one sync late, overlapped with compute.
         sharding: a TorchRec sharding type for every table, or "auto" for the planner's choice.
+        row_wise_exchange: "dense" (TorchRec's reduce-scatter) or "sparse" (SRP, `engine.srp`):
+            how row-wise shards return their partial sums.
         seed: seeds the dense initialisation (identical on every worker) and the data order.
         towers: Disaggregated Multi-Tower (`engine.towers`): the towers, their modules and the
             exchange; None = TorchRec's flat exchange (and `sharding` applies).
@@ -110,6 +112,7 @@ class EngineConfig:
     sync_every: int
     delayed_moment_sync: bool
     sharding: str
+    row_wise_exchange: str
     seed: int
     towers: TowerConfig | None
     precision: str | None
@@ -131,7 +134,7 @@ class EngineConfig:
             lr=o.lr, eps=o.eps, moment_scale=o.moment_scale,  # c = M of each attempt's grid unless fixed
             dense_optimizer=o.dense_optimizer, dense_lr=o.dense_lr,
             sync_every=config.grid.sync_every, delayed_moment_sync=config.grid.delayed_moment_sync,
-            sharding=m.sharding, seed=config.train.seed, towers=config.tower_config(),
+            sharding=m.sharding, row_wise_exchange=m.row_wise_exchange, seed=config.train.seed, towers=config.tower_config(),
             precision=config.train.precision, ne_window_steps=config.train.ne_window_steps,
         )
         return replace(engine, **overrides)
@@ -341,7 +344,7 @@ class Trainer:
         else:
             model = build_model(config.spec, config.model, seed=config.seed, dense_device=device)
             self.plan = agree_on_plan(plan, model, grid, groups, device.type, fused, config.sharding)
-            self.model = shard_model(model, grid, groups, device, fused, self.plan)
+            self.model = shard_model(model, grid, groups, device, fused, self.plan, config.row_wise_exchange)
         self.dense_names, dense = zip(*dense_named_parameters(self.model))
         self.dense_optimizer = dense_optimizer(config.dense_optimizer, dense, config.dense_lr)
         self.state = TrainerState()
