@@ -37,11 +37,13 @@ def _job(tmp: Path, uri: str, groups: int, extra: list[str] = ()):
 
 
 K, T, B = 5, 4, 128
+QR_HEAD = ["model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_operation=mult", "model.head_rows=64"]
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, mlflow_server, shared_ray):
-    """One job with M=2, a job that fails on a bad row and the chaos job, on the suite's shared
+    """One job with M=2 (QR-compressed with a head cache, as the chaos job it is the failure-free
+    run of), a job that fails on a bad row and the chaos job, on the suite's shared
     local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
     logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
     with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store."""
@@ -61,14 +63,16 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     lines = [good] * 16
     lines[1] = good.replace("0a1b2c3d", "NOT-HEX!", 1)  # line 2: in the first worker's first batches
     (bad / "day_0").write_text("\n".join(lines) + "\n")
+    # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
+    # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
     chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.checkpoint_every=20"])
+                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD])
     seed = random.randrange(1 << 30)
     kills = []
     try:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            m2 = run_job(_job(tmp, mlflow_server.url, 2))
+            m2 = run_job(_job(tmp, mlflow_server.url, 2, QR_HEAD))  # the chaos job's failure-free twin
         print(printed.getvalue())
         M2.update(printed=printed.getvalue(), server=mlflow_server)
         failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
@@ -138,7 +142,8 @@ def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defa
     assert not strays, f"params that are neither config keys nor in config.DERIVED_PARAMS: {sorted(strays)}"
     leaves = [k.rsplit(".", 1)[-1] for k in p if not k.startswith("versions.")]
     assert len(leaves) == len(set(leaves)), sorted(k for k in leaves if leaves.count(k) > 1)
-    assert len(sharding_plan) == 26 and not any(k.startswith("sharding.") for k in p)
+    # QR_HEAD: 18 tables as they are, 8 compressed ones as a quotient, a remainder and a head table each
+    assert len(sharding_plan) == 18 + 3 * 8 and not any(k.startswith("sharding.") for k in p)
     # the system metrics of the one node: a 60-step job records some
     assert any(k.startswith("system/") and k.endswith("/cpu_utilization_percentage") for k in run.data.metrics), \
         sorted(run.data.metrics)
@@ -251,6 +256,28 @@ def test_chaos_job_finishes_in_one_run_with_two_peer_recoveries(chaos):
     for name in ("train/loss", "train/qps", "eval/ne"):  # nothing logged twice for one step
         steps = [m.step for m in client.get_metric_history(r.run_id, name)]
         assert len(steps) == len(set(steps)), name
+
+
+def test_chaos_jobs_head_cache_is_counted_once_and_recorded(chaos, tmp_path):
+    """The QR job's head ids: one count over the training files by the driver, recorded as an
+    artifact (every attempt's workers get them from the driver), and its embedding bytes those of
+    the compressed tables (the uncompressed M=2 job's: the full ones)."""
+    import numpy as np
+
+    from recgrid.data.compress import embedding_bytes
+    from recgrid.data.specs import get_spec
+
+    client, c = chaos
+    r, cfg = c["result"], c["config"]
+    heads = np.load(client.download_artifacts(r.run_id, "compression/head_ids.npz", str(tmp_path)))
+    compressed = [f"C{f + 1}" for f, rows in enumerate(get_spec("tiny").table_rows) if rows > 2000]
+    assert sorted(heads.files) == sorted(compressed) and all(len(heads[f]) == 64 for f in compressed)
+    comp = cfg.compression().with_heads({int(f[1:]) - 1: heads[f] for f in heads.files})
+    spec = cfg.dataset_spec()
+    got = client.get_run(r.run_id).data.metrics["memory/embedding_bytes"]
+    assert got == embedding_bytes(spec, 16, compression=comp) < 0.6 * embedding_bytes(spec, 16)  # 8 of 26 tables
+    assert c["baseline"].metrics["memory/embedding_bytes"] == got  # the same files: the same head ids
+    assert embedding_bytes(spec, 16) == sum(spec.table_rows) * 16 * 4  # uncompressed: every row, fp32
 
 
 def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):

@@ -125,11 +125,23 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
 
 
 # ---- snapshots and storage checkpoints on real gloo process groups -------------------------------------
-def _engine(grid, delayed=False):
+def _engine(grid, delayed=False, compression=None):
     from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
-    return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto", seed=5)
+    return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto",
+                                 seed=5).with_compression(compression)
+
+
+def _qr_heads(head_rows=32):
+    """QR (add, c = 8) of tiny's tables over 2000 rows with a head cache of their most frequent ids."""
+    from recgrid.data.compress import Compression, head_from_counts
+    from recgrid.data.synth import synth_table
+
+    comp = Compression(threshold_rows=2000, collisions=8, operation="add", head_rows=head_rows)
+    table = synth_table(SPEC, 2048, seed=5)
+    return comp.with_heads({f: head_from_counts(*np.unique(table.column(f"C{f + 1}").to_numpy(), return_counts=True),
+                                                head_rows=head_rows) for f in comp.features(SPEC)})
 
 
 def snapshot_roundtrip(delayed: bool) -> dict:
@@ -225,22 +237,29 @@ def test_restore_plan_needs_every_groups_moments_for_the_grids_m():
     assert plan_restore(plain, 3, 3)["missing"] == ["shard/2"]
 
 
-def save_or_load(src: str, phase: str, M: int, dst: str | None = None) -> dict:
+def save_or_load(src: str, phase: str, M: int, dst: str | None = None, head_rows: int = 32) -> dict:
     """phase "save": train T=4, M=2 for 6 steps and write a storage checkpoint at the sync step.
     phase "load": build a trainer at this process group's T and M, load it, and write what the
-    loaded trainer holds to `dst` (to compare it whole)."""
+    loaded trainer holds to `dst` (to compare it whole). The model is QR-compressed with a head
+    cache of `head_rows` ids per compressed table (a load with another head is refused)."""
+    from recgrid.data.stream import synthetic_batches
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.trainer import Trainer
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, M)
-    trainer = Trainer.build(grid, _engine(grid), torch.device("cpu"))
+    comp = _qr_heads(head_rows)
+    trainer = Trainer.build(grid, _engine(grid, compression=comp), torch.device("cpu"))
     if phase == "save":
-        trainer.run(random_batches(SPEC, 32, seed=rank), 6)
+        trainer.run(iter(synthetic_batches(SPEC, 32, 6, seed=5, stream=rank + 1, compression=comp)), 6)
         trainer.state.examples = 777  # any progress value: it must come back
         out = Checkpointer(root=src).save(trainer)
     else:
-        out = Checkpointer().load(trainer, src)
+        try:
+            out = Checkpointer().load(trainer, src)
+        except ValueError as e:
+            trainer.close()
+            return {"refused": str(e)}
         Checkpointer(root=dst).save(trainer)
     trainer.close()
     return {"path": out, "step": trainer.state.step, "examples": trainer.state.examples}
@@ -267,14 +286,22 @@ def _flat(d, prefix=""):
 
 
 # ---- acceptance 5: written at T=4, M=2; resumed at T=4, M=1 and T=2, M=1 with the same weights ----------
+# (of a QR-compressed model with a head cache: its q, r and h tables reshard as any table)
 def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
     saved = run_local(save_or_load, 4, str(tmp_path / "a"), "save", 2)[0]["path"]
     written = sum(os.path.getsize(os.path.join(saved, f)) for f in os.listdir(saved))
     want = _full_tables(saved, tmp_path)
     table_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if "embedding_bags" in k)
-    # one copy of the model, split over the workers: not M = 2 copies
-    assert table_bytes <= written < 1.5 * table_bytes
+    # one copy of the model, split over the workers: not M = 2 copies (those would be twice the tables
+    # and the rest: the compressed tables are small, so dense and optimizer states weigh more than the
+    # uncompressed model's 1.5x)
+    assert table_bytes <= written < 2 * table_bytes
     assert len({f for f in os.listdir(saved) if f.endswith(".distcp")}) == 4
+    assert {"model.sparse_arch.embedding_bag_collection.embedding_bags.t_C3_h.weight",
+            "model.sparse_arch.embedding_bag_collection.embedding_bags.t_C3_q.weight"} <= set(want)
+    # the head ids are the checkpoint's: a job with another head cannot read its rows for other ids
+    refused = run_local(save_or_load, 1, saved, "load", 1, str(tmp_path / "other"), 16)
+    assert all("head-cache ids" in r["refused"] for r in refused)
     for T in (4, 2):
         loaded = run_local(save_or_load, T, saved, "load", 1, str(tmp_path / f"t{T}m1"))
         assert all(r["step"] == 6 and r["examples"] == 777 for r in loaded)

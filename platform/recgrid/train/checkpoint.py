@@ -239,6 +239,15 @@ class Checkpointer:
         if not is_complete(path):
             raise FileNotFoundError(f"{path}: not a complete recgrid checkpoint (no .metadata)")
         sd = trainer.state_dict()
+        if "compression" in sd:  # a compressed model: the checkpoint's head ids first, before tables that may not fit
+            record: dict[str, Any] = {"compression": ""}
+            try:
+                read_checkpoint(path, record, trainer.groups.global_pg)
+            except CheckpointRefused:
+                raise
+            except Exception:  # noqa: BLE001 - written by an uncompressed model: no record
+                record["compression"] = None
+            trainer.check_compression(record["compression"])
         read_checkpoint(path, sd, trainer.groups.global_pg)
         trainer.load_state_dict(sd)
         return trainer.state.step

@@ -773,13 +773,18 @@ class Trainer:
             "plan": json.dumps(plan_record(self.plan)),
         }
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def check_compression(self, recorded: str | None) -> None:
+        """Refuse a checkpoint whose compression record (`state_dict()["compression"]`, None: none) is
+        not this model's: its q, r and h rows would be read for other ids."""
         compression = self.config.model.compression
-        if compression is not None and sd.get("compression") != json.dumps(compression.record()):
+        if compression is not None and recorded != json.dumps(compression.record()):
             raise ValueError(
                 "the storage checkpoint's QR compression (its settings or head-cache ids) is not this job's: its "
                 "rows would be read for other ids; resume with the model.compression, qr_* and head_* settings and "
                 "the training files of the job that wrote it")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.check_compression(sd.get("compression"))
         self._drop_pipeline()  # batches it prefetched follow the old cursor
         self.model.load_state_dict(sd["model"])
         self.model.fused_optimizer.load_state_dict(sd["embedding_optimizer"])
