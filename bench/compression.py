@@ -28,7 +28,7 @@ The one setting, fixed up front for every configuration (nothing is tuned per co
   listed. Head cache: `head_rows` = 256 per compressed table (3,584 head rows in all), the 256 most
   frequent ids of each counted over the seed's training rows exactly as a job counts them
   (`data.stream.id_counts`, one Ray Data pass over the training file, then
-  `data.compress.head_from_counts`: what `data.stream.head_ids` does); the JSON records the share
+  `data.specs.head_from_counts`: what `data.stream.head_ids` does); the JSON records the share
   of lookups the head covers. With this H, QR + head at c = 16 needs fewer bytes than QR alone at
   c = 4, which is the equal-memory comparison the verdict makes.
 - optimizers: the engine's defaults (embedding row-wise AdaGrad lr 0.05, eps 1e-8, c = M moment
@@ -74,7 +74,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from recgrid.data.compress import Compression, embedding_bytes, head_from_counts
+from recgrid.data.specs import Compression, embedding_bytes, head_from_counts
 from recgrid.data.specs import SPARSE_NAMES, DatasetSpec, get_spec
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
@@ -462,7 +462,7 @@ def quality_part(a: argparse.Namespace) -> tuple[dict, list[dict]]:
             "compressed_tables": [SPARSE_NAMES[f] for f in compressed],
             "compressed_rows": sum(spec.table_rows[f] for f in compressed),
             "uncompressed_rows": sum(spec.table_rows),
-            "embedding_bytes": "weights of every table of one model copy, fp32 (data.compress.embedding_bytes)",
+            "embedding_bytes": "weights of every table of one model copy, fp32 (data.specs.embedding_bytes)",
             "gap": "eval NE(config, seed) - eval NE(uncompressed, seed), paired by seed; gap_pct relative to it",
         },
         "machine": machine_info(),

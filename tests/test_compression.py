@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recgrid.config import ConfigError, defaults
-from recgrid.data.compress import Compression, embedding_bytes, head_from_counts, merge_counts, table_layout
+from recgrid.data.specs import Compression, embedding_bytes, head_from_counts, merge_counts, table_layout
 from recgrid.data.specs import SPARSE_NAMES, DatasetSpec, get_spec
 from recgrid.data.stream import collate_block, memory_batches
 from recgrid.data.synth import synth_table

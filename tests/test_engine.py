@@ -107,7 +107,7 @@ def _qr_compression():
     frequent ids in synthetic data (acceptance 2 of the RecScale issue, engine side)."""
     import numpy as np
 
-    from recgrid.data.compress import Compression, head_from_counts
+    from recgrid.data.specs import Compression, head_from_counts
     from recgrid.data.synth import synth_table
 
     comp = Compression(threshold_rows=2000, collisions=4, operation="mult", head_rows=64)

@@ -264,7 +264,7 @@ def test_chaos_jobs_head_cache_is_counted_once_and_recorded(chaos, tmp_path):
     the compressed tables (the uncompressed M=2 job's: the full ones)."""
     import numpy as np
 
-    from recgrid.data.compress import embedding_bytes
+    from recgrid.data.specs import embedding_bytes
     from recgrid.data.specs import get_spec
 
     client, c = chaos

@@ -3,8 +3,8 @@
 Walks every module of `recgrid` with `ast` (no import runs) and fails on:
 - an import of another module's `_private` name (`from recgrid.x import _y`, `import
   recgrid.x._y`), or an `_private` attribute read off another recgrid module (`x._y`);
-- an import across the layers: `engine/` imports nothing of recgrid but itself, `data/specs` and
-  `data/compress` (the tables a compressed model has: named and sized where the id transform is);
+- an import across the layers: `engine/` imports nothing of recgrid but itself and `data/specs`
+  (the tables it builds, QR-compressed ones included);
   `data/` never imports `train/` or `launch/`; `train/` never imports `launch/`; the modules at
   the package's top that both `train/` and `launch/` use (tracking, logs, config) import neither.
 """

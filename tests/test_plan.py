@@ -336,9 +336,9 @@ def _tiny_options(spec="tiny", **settings):
 
 def test_compressed_tables_are_priced_with_their_compressed_rows():
     """QR at c=4 with a 64-row head on tiny's tables above 1000 rows: the model the planner prices
-    is data.compress's sizing (the engine's), a plan of it holds exactly those bytes, and memory,
+    is data.specs's sizing (the engine's), a plan of it holds exactly those bytes, and memory,
     the replica sync's bytes and the group counts that fit follow the compressed tables."""
-    from recgrid.data.compress import Compression, embedding_bytes
+    from recgrid.data.specs import Compression, embedding_bytes
     from recgrid.data.specs import get_spec
     from recgrid.plan.planner import Cluster, dense_memory_bytes, evaluate, plan_group
     from recgrid.plan.recscale import memory_summary

@@ -135,7 +135,7 @@ def _engine(grid, delayed=False, compression=None):
 
 def _qr_heads(head_rows=32):
     """QR (add, c = 8) of tiny's tables over 2000 rows with a head cache of their most frequent ids."""
-    from recgrid.data.compress import Compression, head_from_counts
+    from recgrid.data.specs import Compression, head_from_counts
     from recgrid.data.synth import synth_table
 
     comp = Compression(threshold_rows=2000, collisions=8, operation="add", head_rows=head_rows)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
-from recgrid.data.compress import COMPRESSIONS, QR_OPERATIONS, Compression
+from recgrid.data.specs import COMPRESSIONS, QR_OPERATIONS, Compression
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
 from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
@@ -397,7 +397,7 @@ class JobConfig:
                 f"leave it null for the derived cadence ({default_checkpoint_every(t.max_steps, K)} here)")
 
     def _check_compression(self, spec: DatasetSpec) -> None:
-        """model.compression and its fields (data/compress.py, engine/compression.py)."""
+        """model.compression and its fields (data/specs.py, engine/compression.py)."""
         m = self.model
         if m.compression == "none":
             return  # the qr_ and head_ fields wait unused (a sweep may switch compression alone)

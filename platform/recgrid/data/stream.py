@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recgrid.data.compress import Compression
+from recgrid.data.specs import Compression
 from recgrid.data.criteo import (
     PARQUET, PREPARED_SCHEMA, ROW_ID, CriteoDataError, check_prepared_schema, expand_inputs, iter_line_chunks,
     read_raw, sniff_format,
@@ -177,7 +177,7 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     loops over the 26 features, each expanded for every row of the block at once: one gathered
     row of offsets per bag is faster than one array operation that gathers every value).
 
-    With `compression` (QR, `data.compress`) the compressed features' ids are split into their
+    With `compression` (QR, `data.specs`) the compressed features' ids are split into their
     quotient, remainder and head features (`Compression.apply`): "values" is then [nb, V] padded,
     "lengths" [nb, len(keys) * B] of the expanded keys, and "value_counts" [nb] says how many of
     a batch's values are real.
@@ -528,7 +528,7 @@ def id_counts(inputs: Inputs, spec: DatasetSpec, features: Sequence[int], *, mul
     ids (numpy, per feature); this process adds the blocks' counts up."""
     import ray.data
 
-    from recgrid.data.compress import merge_counts
+    from recgrid.data.specs import merge_counts
 
     source = UnitsDatasource(inputs, inputs.units(), spec, 1, drop_last=False, rows_per_task=rows_per_task)
     found: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {f: [] for f in features}
@@ -566,7 +566,7 @@ def head_ids(inputs: Inputs, spec: DatasetSpec, compression: Compression, *,
              multi_hot_seed: int = 0) -> dict[int, np.ndarray]:
     """The head cache of every compressed feature (`Compression.features`): its `head_rows` most
     frequent ids over `inputs`, or the fewest covering `head_coverage` of its lookups (sorted)."""
-    from recgrid.data.compress import head_from_counts
+    from recgrid.data.specs import head_from_counts
 
     counts = id_counts(inputs, spec, compression.features(spec), multi_hot_seed=multi_hot_seed)
     return {f: head_from_counts(ids, n, compression.head_rows, compression.head_coverage)

@@ -1,7 +1,7 @@
 """QR-compressed embedding tables in the model: their TorchRec table configs, their
 initialisation, and the sparse arch that combines a compressed feature's pooled parts.
 
-The naming and sizing of the tables is one fact, kept in `data.compress` (the data pipeline's id
+The naming and sizing of the tables is one fact, kept in `data.specs` (the data pipeline's id
 transform needs it too, and `data/` may not import `engine/`); this module re-exports the pure
 sizing for the planner (`compressed_tables`, `embedding_bytes`: no torch at import time).
 
@@ -32,7 +32,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from recgrid.data.compress import (  # noqa: F401 - the sizing the planner prices, re-exported
+from recgrid.data.specs import (  # noqa: F401 - the sizing the planner prices, re-exported
     COMPRESSIONS, HEAD, QR_OPERATIONS, QUOTIENT, REMAINDER, Compression, embedding_bytes, table_layout,
 )
 from recgrid.data.specs import SPARSE_NAMES, DatasetSpec

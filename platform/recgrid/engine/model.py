@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from recgrid.data.compress import Compression
+from recgrid.data.specs import Compression
 from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec
 
 if TYPE_CHECKING:  # torch and torchrec are heavy; config validation imports ARCHS from here

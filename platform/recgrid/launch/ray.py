@@ -269,7 +269,7 @@ def job_plan(config: JobConfig, engine: Any = None) -> Any:
 
 
 def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
-    """The job's QR compression (`data.compress.Compression`), or None; with a head cache, its head
+    """The job's QR compression (`data.specs.Compression`), or None; with a head cache, its head
     ids counted here, once per job, by one Ray Data pass over the training files
     (`data.stream.head_ids`), and recorded as the run artifact compression/head_ids.npz. The
     driver hands them to every attempt's workers, so the remapping never changes while the job lives."""
@@ -297,7 +297,7 @@ def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
 def model_embedding_bytes(engine: Any) -> int:
     """`memory/embedding_bytes`: bytes of the embedding tables of one model copy (a compressed job's
     compressed tables, head tables included) at the tables' data type."""
-    from recgrid.data.compress import embedding_bytes
+    from recgrid.data.specs import embedding_bytes
 
     m = engine.model
     return embedding_bytes(engine.spec, m.resolved_dim(engine.spec), m.embedding_dtype, m.compression)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recgrid.config import JobConfig
-from recgrid.data.compress import Compression
+from recgrid.data.specs import Compression
 from recgrid.data.specs import DatasetSpec
 from recgrid.data.stream import EvalData, TrainData
 from recgrid.data.units import DataCursor
