@@ -308,29 +308,32 @@ class Compression:
         return table_layout(spec, dim, self, self.head_sizes())
 
 
+def compressed_parts(rows: int, dim: int, compression: Compression | None, head: int = 0) -> list[tuple[str, int, int]]:
+    """One table of `rows` rows under `compression`, as (feature name suffix, rows, dim): ("", rows,
+    dim) when it is not compressed; else its head table (HEAD, `head`, dim) when `head` > 0, then
+    (QUOTIENT, ceil(rows / c), d) and (REMAINDER, c, d), d = dim / 2 for concat, else dim."""
+    if compression is None:
+        return [("", rows, dim)]
+    if compression.operation == "concat" and dim % 2:
+        raise ValueError(f"qr_operation concat splits the embedding dimension in two halves; {dim} is odd")
+    if rows <= compression.threshold_rows:
+        return [("", rows, dim)]
+    c = compression.collisions
+    half = dim // 2 if compression.operation == "concat" else dim
+    parts = [(HEAD, int(head), dim)] if head else []
+    return parts + [(QUOTIENT, math.ceil(rows / c), half), (REMAINDER, c, half)]
+
+
 def table_layout(spec: DatasetSpec, dim: int, compression: Compression | None = None,
                  head_sizes: Mapping[int, int] | None = None) -> list[tuple[str, str, int, int]]:
     """The tables of one model copy as (table name, feature name, rows, dim), in key order: the
-    pure sizing the engine builds tables from and the planner prices. `head_sizes` (feature index
-    -> H) sizes the head tables without their ids (a planner's estimate); by default none."""
-    if compression is None:
-        return [(spec.table_name(n), n, rows, dim) for n, rows in zip(SPARSE_NAMES, spec.table_rows)]
-    if compression.operation == "concat" and dim % 2:
-        raise ValueError(f"qr_operation concat splits the embedding dimension in two halves; {dim} is odd")
+    pure sizing the engine builds tables from and the planner prices (`compressed_parts` per
+    table). `head_sizes` (feature index -> H) sizes the head tables without their ids (a planner's
+    estimate); by default none."""
     heads = dict(head_sizes or {})
-    compressed = set(compression.features(spec))
-    half = dim // 2 if compression.operation == "concat" else dim
-    out = []
-    for f, (name, rows) in enumerate(zip(SPARSE_NAMES, spec.table_rows)):
-        if f not in compressed:
-            out.append((spec.table_name(name), name, rows, dim))
-            continue
-        if heads.get(f):
-            out.append((spec.table_name(name + HEAD), name + HEAD, int(heads[f]), dim))
-        c = compression.collisions
-        out.append((spec.table_name(name + QUOTIENT), name + QUOTIENT, math.ceil(rows / c), half))
-        out.append((spec.table_name(name + REMAINDER), name + REMAINDER, c, half))
-    return out
+    return [(spec.table_name(name + suffix), name + suffix, r, d)
+            for f, (name, rows) in enumerate(zip(SPARSE_NAMES, spec.table_rows))
+            for suffix, r, d in compressed_parts(rows, dim, compression, heads.get(f, 0))]
 
 
 def embedding_bytes(spec: DatasetSpec, dim: int, dtype: str = "fp32", compression: Compression | None = None,

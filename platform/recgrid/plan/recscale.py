@@ -3,7 +3,7 @@
 
 Compressed tables. `compress_model` rewrites a model's tables as a job with `model.compression:
 qr` builds them: every table of more than `qr_threshold_rows` rows becomes a quotient table, a
-remainder table and (with a head cache) a head table, sized by `data.specs.table_layout`, the
+remainder table and (with a head cache) a head table, sized by `data.specs.compressed_parts`, the
 one sizing the engine builds from (asked one table at a time here, so a tables file of any number
 of tables is sized the same way as a dataset spec's 26). The rewritten tables are ordinary tables
 to TorchRec's planner: their shards, lookups, all-to-all bytes, memory and the replica sync's
@@ -44,8 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from recgrid.data.specs import HEAD, QUOTIENT, REMAINDER, Compression, table_layout
-from recgrid.data.specs import SPARSE_NAMES, DatasetSpec
+from recgrid.data.specs import HEAD, Compression, compressed_parts
 from recgrid.engine.srp import SPARSE_SHARDINGS, expected_exchange_bytes, expected_occupancy
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec
 
@@ -87,16 +86,11 @@ def power_law_head(coverage: float, rows: int, exponent: float) -> int:
 # ---- compressed tables ------------------------------------------------------------------------------
 def table_parts(rows: int, dim: int, compression: Compression, head: int) -> list[tuple[str, int, int]]:
     """One table's tables after compression as (name suffix: "" uncompressed, else HEAD, QUOTIENT,
-    REMAINDER; rows; dim), sized by `data.specs.table_layout` (the engine's sizing) for a spec
-    whose first feature is this table (the other 25 have one row and are never compressed)."""
-    spec = DatasetSpec("plan", (int(rows),) + (1,) * (len(SPARSE_NAMES) - 1), int(dim))
-    name = SPARSE_NAMES[0]
-    mine = {name, name + HEAD, name + QUOTIENT, name + REMAINDER}
+    REMAINDER; rows; dim): `data.specs.compressed_parts`, the engine's sizing."""
     try:
-        layout = table_layout(spec, dim, compression, {0: head} if head else None)
+        return compressed_parts(int(rows), int(dim), compression, head)
     except ValueError as e:
         raise OptionsError(f"--qr-operation (model.qr_operation): {e}") from None
-    return [(feature[len(name):], r, d) for _, feature, r, d in layout if feature in mine]
 
 
 @dataclass(frozen=True)
