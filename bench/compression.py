@@ -70,7 +70,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +79,14 @@ from recgrid.data.specs import SPARSE_NAMES, DatasetSpec, get_spec
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
 from recgrid.launch.report import write_result
+
+# bench/quality.py's data plumbing and arithmetic (the same rows, read the same way) and
+# bench/srp.py, imported by their own names from this folder: the local launcher's processes
+# import this module again, and they get this process's sys.path
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from quality import HeldOut, int_list, mean_std, read_arrow, train_rows  # noqa: E402
 
 WORLD_SIZE = 4
 NUM_GROUPS = 2
@@ -187,28 +195,6 @@ def write_seed_data(tmp: Path, spec: DatasetSpec, setting: Setting, seed: int, t
     return {"heads": heads, "head_coverage": coverage}
 
 
-def _read(path: Path) -> Any:
-    import pyarrow as pa
-
-    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-
-
-def train_rows(steps: int, world_size: int, batch: int, rank: int) -> np.ndarray:
-    """The draw's rows a worker trains, in order: at step i, rows [i·TB + rank·B, i·TB + (rank+1)·B)."""
-    step = np.arange(steps)[:, None] * (world_size * batch)
-    return (step + rank * batch + np.arange(batch)[None, :]).reshape(-1)
-
-
-@dataclass
-class HeldOut:
-    """What `Trainer.evaluate` asks of eval data: this worker's batches."""
-
-    items: list
-
-    def batches(self) -> Iterator[Any]:
-        return iter(self.items)
-
-
 # ---- the workers ------------------------------------------------------------------------------------
 def study_worker(configs: list[RunConfig], seeds: list[int], setting: Setting, heads: dict, tmp: str) -> list[dict]:
     """Every configuration for every seed on this worker; rank 0 returns the records."""
@@ -229,8 +215,8 @@ def study_worker(configs: list[RunConfig], seeds: list[int], setting: Setting, h
     base_bytes = embedding_bytes(spec, setting.embedding_dim)
     records = []
     for seed in seeds:
-        train_table = _read(Path(tmp) / f"seed{seed}-train.arrow").take(train_rows(setting.steps, T, B, rank))
-        held = _read(Path(tmp) / f"seed{seed}-eval.arrow")
+        train_table = read_arrow(Path(tmp) / f"seed{seed}-train.arrow").take(train_rows(setting.steps, T, B, rank))
+        held = read_arrow(Path(tmp) / f"seed{seed}-eval.arrow")
         per = len(held) // T
         held = held.slice(rank * per, per if rank < T - 1 else len(held) - rank * per)
         cache: dict[tuple, tuple[list, list]] = {}  # the ids' transform depends on c and the head only
@@ -274,10 +260,6 @@ def study_worker(configs: list[RunConfig], seeds: list[int], setting: Setting, h
 
 
 # ---- aggregation ------------------------------------------------------------------------------------
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def config_key(r: dict) -> tuple:
     return (r["kind"], r["c"], r["op"])
 
@@ -410,20 +392,11 @@ def plot(table: list[dict], path: Path) -> None:
 
 
 # ---- main -------------------------------------------------------------------------------------------
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def srp_measure() -> list[dict]:
     """bench/srp.py's rows (SRP against dense row-wise at L = 2, 4; one-hot and multi-hot)."""
-    import importlib
+    import srp
 
-    # imported by its own name from this folder: its worker function is pickled by reference, and
-    # the local launcher's processes import it again (they get this process's sys.path)
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module("srp").measure()
+    return srp.measure()
 
 
 def quality_part(a: argparse.Namespace) -> tuple[dict, list[dict]]:
@@ -481,7 +454,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="quality,srp", help="quality, srp or both (the other's entry in --out is kept)")
-    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int_list, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=Setting.steps)
     ap.add_argument("--configs", default="", help="labels to run (comma separated; pilots only): all by default")
     ap.add_argument("--out", default="bench/results/compression.json")

@@ -143,7 +143,7 @@ def write_seed_data(tmp: Path, spec: DatasetSpec, setting: Setting, seed: int) -
     return {"bayes_eval_ne": ne_from_sums(ce, w, pos, neg), "eval_positive_rate": pos / w}
 
 
-def _read(path: Path) -> Any:
+def read_arrow(path: Path) -> Any:
     import pyarrow as pa
 
     return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
@@ -162,8 +162,8 @@ def worker_batches(tmp: Path, spec: DatasetSpec, setting: Setting, seed: int, ra
 
     B, T = setting.batch_per_worker, WORLD_SIZE
     rows = train_rows(setting.steps, T, B, rank)
-    train = memory_batches(_read(tmp / f"seed{seed}-train.arrow").take(rows), B, spec)
-    held_out = _read(tmp / f"seed{seed}-eval.arrow")
+    train = memory_batches(read_arrow(tmp / f"seed{seed}-train.arrow").take(rows), B, spec)
+    held_out = read_arrow(tmp / f"seed{seed}-eval.arrow")
     per = len(held_out) // T
     part = held_out.slice(rank * per, per if rank < T - 1 else len(held_out) - rank * per)
     return train, memory_batches(part, setting.eval_batch, spec, drop_last=False)
@@ -375,15 +375,15 @@ def plot(table: list[dict], groups: list[int], ks: list[int], path: Path) -> Non
 
 
 # ---- main -------------------------------------------------------------------------------------------
-def _ints(s: str) -> list[int]:
+def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2])
-    ap.add_argument("--groups", type=_ints, default=[1, 2, 4, 8], help="M values (1 is the baseline)")
-    ap.add_argument("--sync-every", type=_ints, default=[1, 5, 25], help="K values")
+    ap.add_argument("--seeds", type=int_list, default=[0, 1, 2])
+    ap.add_argument("--groups", type=int_list, default=[1, 2, 4, 8], help="M values (1 is the baseline)")
+    ap.add_argument("--sync-every", type=int_list, default=[1, 5, 25], help="K values")
     ap.add_argument("--steps", type=int, default=Setting.steps)
     ap.add_argument("--lr", type=float, default=Setting.lr, help="embedding lr (pilots only; see the docstring)")
     ap.add_argument("--out", default="bench/results/quality.json")
