@@ -176,11 +176,31 @@ def _write_marker(directory: str, run_id: str, node: str | None) -> None:
         os.close(fd)
 
 
+_NO_MARKER = "not made by this job's snapshot holder (no owner marker naming it)"
+
+
+def _not_own_dir(path: str, run_id: str, node: str | None) -> str | None:
+    """Why `path` is not job `run_id`'s own snapshot directory for `node` (None: it is: a real
+    directory, not a link, of this user, mode 0700, whose owner marker names this job and node)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link (to {os.readlink(path)!r})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not this job's user (uid {os.getuid()})"
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        return f"mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    marker = _read_marker(path)
+    if marker is not None and marker.get("run_id") == run_id and marker.get("node") == node:
+        return None
+    return "made by another job" if marker is not None and marker.get("run_id") != run_id else _NO_MARKER
+
+
 def _own_dir(path: str, run_id: str, node: str | None) -> str:
-    """Create `path` (mode 0700, exclusively), or accept an existing one only when it is a real
-    directory (not a link) of this user, mode 0700, whose marker names this job (and `node`):
-    a previous holder's of this job. Returns "created" or "accepted"; raises
-    `SnapshotDirRefused` naming the path otherwise, without touching what is there."""
+    """Create `path` (mode 0700, exclusively), or accept an existing one only when it is this
+    job's own (`_not_own_dir`): a previous holder's of this job. Returns "created" or "accepted";
+    raises `SnapshotDirRefused` naming the path otherwise, without touching what is there."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -191,38 +211,22 @@ def _own_dir(path: str, run_id: str, node: str | None) -> str:
         return "created"
     deadline = time.monotonic() + 2.0  # another holder of this job on this machine may be writing its marker
     while True:
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            why = f"a symbolic link (to {os.readlink(path)!r})"
-        elif not stat.S_ISDIR(st.st_mode):
-            why = "not a directory"
-        elif st.st_uid != os.getuid():
-            why = f"owned by uid {st.st_uid}, not this job's user (uid {os.getuid()})"
-        elif stat.S_IMODE(st.st_mode) != 0o700:
-            why = f"mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
-        else:
-            marker = _read_marker(path)
-            if marker is not None and marker.get("run_id") == run_id and marker.get("node") == node:
-                return "accepted"
-            why = ("made by another job" if marker is not None and marker.get("run_id") != run_id
-                   else "not made by this job's snapshot holder (no owner marker naming it)")
-            if marker is None and time.monotonic() < deadline and node is None:
-                time.sleep(0.05)
-                continue
+        why = _not_own_dir(path, run_id, node)
+        if why is None:
+            return "accepted"
+        if why == _NO_MARKER and node is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            continue
         raise SnapshotDirRefused(f"{path}: refusing this snapshot directory: it is {why}; this job's in-memory "
                                  f"snapshots go through the object store instead (remove the path if it is stale)")
 
 
 def _owned_by_job(path: str, run_id: str) -> bool:
-    """Whether `path` is job `run_id`'s own snapshot directory (a real directory of this user, mode
-    0700, its marker naming the job)."""
+    """Whether `path` is job `run_id`'s own snapshot directory (`_not_own_dir`, the job's level)."""
     try:
-        st = os.lstat(path)
+        return _not_own_dir(path, run_id, None) is None
     except OSError:
         return False
-    marker = _read_marker(path) if stat.S_ISDIR(st.st_mode) else None
-    return (st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700 and marker is not None
-            and marker.get("run_id") == run_id)
 
 
 def _remove_owned(path: str, run_id: str) -> None:
