@@ -163,7 +163,7 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] = "restart"
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other replicas keep running and only the failed one is replaced and healed from a live peer (needs L = 1: grid.num_groups = grid.world_size)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is rebuilt (its group-mates leave with it and Ray replaces them all) and healed from a live peer group (needs M > 1 to survive a failure; no elastic resize, delayed moment sync or storage checkpoints on this path)."""
     snapshot_every_syncs: int = 1
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none."""
     checkpoint_every: int | None = None
@@ -442,13 +442,6 @@ class JobConfig:
     def _check_torchft(self) -> None:
         """What train.fault_tolerance=torchft can carry with Ray 2.60 and torchft 0.2 (train/ft.py)."""
         g, t = self.grid, self.train
-        L = g.world_size // g.num_groups
-        if L != 1:
-            raise ConfigError(
-                f"train.fault_tolerance: torchft needs L = T / M = 1 (grid.num_groups = grid.world_size, every worker "
-                f"a whole model copy), got T={g.world_size} M={g.num_groups} L={L}: Ray 2.60 replaces single-worker "
-                f"replica groups only, so a sharding group of L > 1 workers cannot be replaced alone; use "
-                f"train.fault_tolerance=restart (recovery from in-memory copies)")
         if g.min_world_size is not None and g.min_world_size != g.world_size:
             raise ConfigError(
                 f"grid.min_world_size: elastic jobs are not supported with train.fault_tolerance=torchft: Ray 2.60 "

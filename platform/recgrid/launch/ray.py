@@ -74,6 +74,10 @@ class JobActors:
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
+# torchft's lighthouse leaves out a sharding group whose manager server has not beaten for this long
+# (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
+# managers beat every 100 ms
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
 
 
 class Interrupted(KeyboardInterrupt):
@@ -338,6 +342,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.train.checkpoint import CHECKPOINTS_KEPT
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.entry import pack, restart_worker, torchft_worker
+    from recgrid.train.ft import ShardingGroupStores
     from recgrid.train.worker import WorkerJob
 
     spec = config.dataset_spec()
@@ -367,6 +372,9 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
         rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
         snapshot_every_syncs=t.snapshot_every_syncs,
+        # torchft: the sharding groups rendezvous in stores that outlive every worker (train/ft.py)
+        group_stores=ShardingGroupStores.options(scheduling_strategy=here).remote()
+        if t.fault_tolerance == "torchft" else None,
     )
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
@@ -392,8 +400,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
         f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
         + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
-        + (", torchft: survivors keep running, a failed replica heals from a live peer"
-           if t.fault_tolerance == "torchft" else ""))
+        + (", torchft: the other sharding groups keep training while a failed one is rebuilt and healed from a "
+           "live peer group" if t.fault_tolerance == "torchft" else ""))
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
@@ -531,8 +539,9 @@ class Interrupts:
 
 def torch_config(config: JobConfig) -> Any:
     """Ray Train's torch backend: one process group of all T workers, or with
-    train.fault_tolerance=torchft one per single-worker replica group plus torchft's lighthouse
-    (a quorum needs one live replica; train/ft.py)."""
+    train.fault_tolerance=torchft one per single-worker replica group (the sharding groups are
+    built on top: train/ft.py) plus torchft's lighthouse: a quorum needs one live sharding group,
+    and a group whose manager stopped beating for LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out."""
     from ray.train.torch import TorchConfig
 
     from recgrid.engine.device import device_type_for, process_group_backend
@@ -541,7 +550,8 @@ def torch_config(config: JobConfig) -> Any:
     if config.train.fault_tolerance == "torchft":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
-        return TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend=backend)
+        return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},
+                             backend=backend)
     return TorchConfig(backend=backend)
 
 

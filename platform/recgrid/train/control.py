@@ -18,7 +18,11 @@ events):
 - heartbeats: the newest step any attempt finished, sent by the worker that logs, throttled to
   one call per `HEARTBEAT_S` (and every logging step), never one per step;
 - MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`), and
-  `claim_step`, which says yes once per series and step, restarts included.
+  `claim_step`, which says yes once per series and step, restarts included;
+- with torchft, each sharding group's progress (`group_progress`): the step and data cursor of
+  its newest committed round, noted by the group's shard rank 0 after every commit, so a rebuilt
+  group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
+  fast the groups that kept training went meanwhile.
 
 Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
 """
@@ -29,6 +33,7 @@ import time
 from typing import Any
 
 HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
+GROUP_HISTORY = 2000  # commits kept per sharding group (torchft): enough to cover a recovery's seconds
 # the stop codes the workers agree on (`Trainer.fit`, `FitHooks.stop_requested`): 0 trains on
 STOP_FINISH = 1  # end at the next logging interval, as if max_steps were reached (final evaluation included)
 STOP_NOW = 2  # an interrupt: end at the next stop check, no evaluation
@@ -46,6 +51,7 @@ class JobControlImpl:
         self.final: dict[str, Any] | None = None  # where the job's workers ended: step, interrupted
         self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
+        self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
 
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
@@ -100,6 +106,18 @@ class JobControlImpl:
             return False
         claimed.add(step)
         return True
+
+    def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float) -> None:
+        """Sharding group `group` committed `step`; its data cursor is `cursor` (torchft: `train.ft`).
+        The last GROUP_HISTORY commits' (time, step) are kept for the recovery's rates."""
+        g = self.groups.setdefault(group, {"history": []})
+        g.update(step=step, cursor=cursor, at=when)
+        g["history"].append((when, step))
+        del g["history"][:-GROUP_HISTORY]
+
+    def group_status(self, group: int | None = None) -> dict[Any, Any]:
+        """Every sharding group's newest commit (or `group`'s: {} before its first)."""
+        return self.groups.get(group, {}) if group is not None else self.groups
 
     def mark_logged(self, step: int) -> None:
         self.logged_upto = max(self.logged_upto, step)

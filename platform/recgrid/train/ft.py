@@ -1,52 +1,72 @@
 """Fault tolerance with torchft (`train.fault_tolerance=torchft`): the trainer's replica component
-for live replicas. The surviving replicas keep running; only a failed one is replaced, and it
-heals from a live peer.
+for live sharding groups. The groups that did not fail keep their processes and keep training;
+only a failed group is rebuilt, and it heals from a live peer group.
 
-Where it applies: grids with L = 1 (M = T, every worker a whole model copy). Ray 2.60's
-`TorchftConfig` makes every worker its own torchft replica group (its worker group hard-codes
-`replica_group_size=1`) and replaces only the replica groups that failed; a sharding group of
-L > 1 workers cannot be one of them, so larger L keeps the holder path (`train.recovery`).
+The grid in torchft's terms: a torchft replica group is a recgrid sharding group (L workers, one
+whole model copy; TorchRec's DMP over the group's process group), and torchft's fault-tolerant
+process group of shard rank s across the live groups is recgrid's replica group s: torchft
+averages and heals shard s from shard s of a live peer group.
 
-The grid in torchft's terms: a torchft replica group is a recgrid sharding group (here one
-worker: TorchRec's DMP over a world of one, the whole model on this worker); torchft's
-fault-tolerant process group across replica groups is the recgrid replica group.
+Ray 2.60's `TorchftConfig` makes every worker a Ray replica group of its own (its worker group
+hard-codes `replica_group_size=1`) with a torch world of one, and replaces only the workers that
+failed. recgrid builds the sharding groups on top, with public interfaces only
+(`ShardingGroup`):
+  - every sharding group rendezvous in a TCPStore of its current *generation*, hosted by a small
+    actor on the driver's node (`ShardingGroupStores`), which outlives every worker;
+  - each worker replaces Ray's world of one with its sharding group's process group (the default
+    group: TorchRec's sharded modules use it as in every recgrid job), and its torchft manager
+    (shard rank s of the group's L, the manager server on shard rank 0) rendezvous there too;
+  - when a worker dies, Ray replaces it alone; its group-mates keep their processes and rebuild
+    the group in place: a step that fails (its collectives with the dead worker fail at once)
+    and a group-mate's beat in the generation's store that stops (the watch also ends a quorum
+    the worker waits in) tell them the group broke; they drop the trainer, the process group and
+    the manager built with the dead worker, join the group's next generation with its
+    replacement (a worker that takes a shard rank already taken in the current generation starts
+    a new one) and build them again there. Rebuilding in place spares the group-mates a new
+    process each: Ray starts replacements one after another (its controller's
+    `replace_replica_group`), and a worker's start (a process, torch, TorchRec) takes longer than
+    the whole rebuild.
 
 This module is only the component the trainer's one loop calls (`Trainer.fit`, with
 `trainer.replicas = TorchftReplicas(...)`); what the loop does per round is the same as every
 path's, the component decides what differs:
-  1. `start_round`: `Manager.start_quorum()`, synchronous: the live replicas agree on a quorum.
-     A replica behind the others (a replacement) receives a live peer's state over `PGTransport`
-     before it computes: the trainer's own state inventory (`Trainer.snapshot()`, sent as
-     `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad moments, the dense part, the
-     progress with the data cursor), and the loop reads on from the healed cursor. c follows the
-     live replica count unless `optim.moment_scale` fixes it.
-  2. the loop's forward and backward on this replica's batch; FBGEMM's fused kernels update the
-     embedding rows inside backward, as in every recgrid step, so these updates cannot wait for
-     the commit (an uncommitted round's batch reaches its own replica's tables, not the dense part).
-  3. `commit`: the dense gradients are averaged over the live replicas through the manager;
+  1. `start_round`: `Manager.start_quorum()`, synchronous: the live groups agree on a quorum.
+     A group behind the others (a rebuilt one) receives a live peer group's state over
+     `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
+     (`Trainer.snapshot()`, sent as `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad
+     moments, the dense part, the progress), and then reads on from its own data cursor (below).
+     c follows the live group count unless `optim.moment_scale` fixes it.
+  2. the loop's forward and backward on this worker's batch (DDP averages the dense gradients
+     over the sharding group); FBGEMM's fused kernels update the embedding rows inside backward,
+     as in every recgrid step, so these updates cannot wait for the commit (an uncommitted
+     round's batch reaches its own group's tables, not the dense part).
+  3. `commit`: the dense gradients are averaged over the live groups through the manager;
      every K steps the embedding weights and moments are averaged too, into a buffer (torchft's
-     LocalSGD idea); then `Manager.should_commit()`. Only a committed round's dense optimizer
-     steps, its averaged tables land (`sync`) and the step count advances. A round that does not
-     commit (a peer died inside it) is not a step: the next round takes the next batch under the
-     same step number.
-  4. at logging steps the metric sums are reduced over the live replicas (`reduce`), and a
-     graceful stop is agreed as a maximum over them (`agree_stop`), so every replica ends at the
-     same step.
-Nothing is rolled back: survivors never go back, a newcomer starts where they are. If every
-replica fails at once, Ray Train restarts them all and, with no storage checkpoints on this path
-yet, training starts again from step 0.
+     LocalSGD idea); then `Manager.should_commit()` (agreed by the group's L workers). Only a
+     committed round's dense optimizer steps, its averaged tables land (`sync`) and the step
+     count advances. A round that does not commit (a peer died inside it) is not a step: the
+     next round takes the next batch under the same step number.
+  4. at logging steps the metric sums are reduced over the sharding group, then over the live
+     groups (`reduce`), and a graceful stop is agreed as a maximum the same way (`agree_stop`),
+     so every worker ends at the same step.
+Nothing is rolled back: survivors never go back, a rebuilt group starts where they are.
 
-Data: each epoch is split into T parts by replica id (as torchft's DistributedSampler splits by
-replica group), and the data cursor is shared by the live replicas (a newcomer receives it with
-the state). The rows of a dead replica's part for the rounds it is away are not trained in that
-epoch; every other row is read once.
+Data: each epoch is split into T parts by global rank, and each sharding group's parts keep their
+own cursor: shard rank 0 notes its group's step and cursor with job control after every commit
+(`train.control.JobControl.group_progress`), and a rebuilt group reads on from its own newest
+note, so its rows for the rounds it was away are read later, not skipped; it trails the other
+groups in the epoch by that many batches. (At most the batches of its last uncommitted rounds are
+read twice.) If every group fails at once, Ray Train restarts them all and, with no storage
+checkpoints on this path yet, training starts again from step 0.
 
-Who logs, evaluates and records the replacements is the worker's business
+Who logs, evaluates and records the recoveries is the worker's business
 (`train.worker.ReplicaReport`, told of each quorum and commit through `ReplicaListener`).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -55,6 +75,7 @@ from typing import Any, Callable, Protocol
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
 from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels
+from recgrid.train.control import LazyActor
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery import digest
 from recgrid.train.trainer import Replicas, Snapshot, Trainer
@@ -63,11 +84,171 @@ TIMEOUT_S = 30  # collectives and the heal transfer; a dead peer's sockets close
 QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout (60 s): a peer evaluating is waited for
 
 
-def make_manager(heal: "HealTransport", replica: int, device: Any) -> Any:
-    """This replica's torchft manager: gloo (NCCL on a GPU: `engine.device.process_group_backend`)
-    across replicas, heals over the same process group (`PGTransport`), a quorum of at least one
-    live replica, every round synchronous (a heal lands before the forward pass, and a peer's
-    state is read while it waits)."""
+GROUP_START_S = 120  # how long a sharding group's members wait for each other (a rebuilt group: its replacements)
+MATE_BEAT_S = 0.2  # how often a worker of a sharding group of L > 1 beats in its generation's store
+MATE_TIMEOUT_S = 3.0  # a group-mate whose beat has not moved for this long is taken for dead
+MATE_SILENT_S = 1.0  # the same, once a step with the group has failed (a collective with a dead peer fails at once)
+COMMIT_TIMEOUT_S = 5  # the longest a commit vote waits for the group's workers (they vote within one step of each other)
+MATE_GRACE_S = COMMIT_TIMEOUT_S + 2.0  # after a mate is lost, how long the training thread gets to see its step fail
+
+
+class ShardingGroupStoresImpl:
+    """The sharding groups' rendezvous (one actor per torchft job, on the driver's node, so it
+    outlives every worker): a TCPStore per generation of each sharding group. A generation is one
+    set of L processes; a worker that takes a shard rank already taken in its group's current
+    generation (a replacement) starts the next one, and its group-mates' replacements join it."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.host = ray.util.get_node_ip_address()
+        self.current: dict[int, dict[str, Any]] = {}  # sharding group -> its generation, members, store
+        self.past: list[Any] = []  # stores of past generations, kept open: a late reader fails on its peers, not here
+        self.lock = threading.Lock()
+
+    def join(self, group: int, shard: int, pid: int) -> dict[str, Any]:
+        """Worker `pid` takes shard rank `shard` of sharding group `group`: its generation's store."""
+        from torch.distributed import TCPStore
+
+        with self.lock:  # the actor serves several calls at once (`LazyActor`)
+            cur = self.current.get(group)
+            if cur is None or shard in cur["members"]:
+                if cur is not None:
+                    self.past.append(cur["store"])
+                store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+                cur = self.current[group] = {"generation": cur["generation"] + 1 if cur else 0, "members": {},
+                                             "store": store}
+            cur["members"][shard] = pid
+            return {"host": self.host, "port": cur["store"].port, "generation": cur["generation"]}
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        return {g: {"generation": c["generation"], "members": dict(c["members"])} for g, c in self.current.items()}
+
+
+ShardingGroupStores = LazyActor(ShardingGroupStoresImpl)
+
+
+class ShardingGroup:
+    """This worker's sharding group under torchft (the module docstring): it joins its group's
+    current generation, makes the group's process group the default one (L > 1; with L = 1 Ray's
+    world of one is already the group), and watches its group-mates' beats. When a group-mate's
+    beat stops, `mate_lost` is set and `on_mate_lost` runs (the worker shuts its torchft manager
+    down, so a quorum it waits in ends); `leave()` when the worker is done with this generation."""
+
+    def __init__(self, stores: Any, group: int, shard: int, size: int, device: Any,
+                 say: Callable[[str], Any] = print) -> None:
+        import ray
+        import torch.distributed as dist
+        from torch.distributed import PrefixStore, TCPStore
+
+        self.group, self.shard, self.size, self.say = group, shard, size, say
+        where = ray.get(stores.join.remote(group, shard, os.getpid()))
+        self.host, self.port, self.generation = where["host"], where["port"], where["generation"]
+        self.mate_lost = threading.Event()
+        self.on_mate_lost: Callable[[], Any] = lambda: None
+        self._caught = threading.Event()  # the training thread has seen its step fail (`broke`)
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
+        if size == 1:
+            return
+        store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=GROUP_START_S))
+        if dist.is_initialized():
+            if dist.get_world_size() == 1:
+                # TorchRec decides once per process, with a broadcast inside the first DMP it builds, whether
+                # to validate collectives; a rebuilt group mixes a replacement (no DMP built yet) with
+                # group-mates that built one and would skip it (a deadlock): every worker decides it here,
+                # alone, over Ray's world of one
+                from torchrec.distributed.collective_utils import init_collective_validation
+
+                init_collective_validation(dist.group.WORLD)
+            dist.destroy_process_group()  # Ray's world of one, or this group's previous generation
+        # every member is here before the process group's rendezvous, whose timeout is the collectives' own
+        store.set(f"joined/{shard}", str(os.getpid()))
+        store.wait([f"joined/{m}" for m in range(size)], timedelta(seconds=GROUP_START_S))
+        dist.init_process_group(process_group_backend(device.type), store=PrefixStore("pg", store), rank=shard,
+                                world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
+        self._store = store
+        self._watch = threading.Thread(target=self._watch_mates, name="recgrid-group-watch", daemon=True)
+        self._watch.start()
+
+    def broke(self, error: BaseException) -> bool:
+        """Whether `error` (raised by a step) is this group breaking: a group-mate stopped beating.
+        After a failed step a beat that does not move for MATE_SILENT_S says it (a live mate beats
+        every MATE_BEAT_S); the watch says it after MATE_TIMEOUT_S otherwise."""
+        self._caught.set()
+        if self.size == 1:
+            return False
+        mates = [m for m in range(self.size) if m != self.shard]
+        last = {m: (self._beats(m), time.monotonic()) for m in mates}
+        deadline = time.monotonic() + MATE_TIMEOUT_S + 2 * MATE_BEAT_S
+        while not self.mate_lost.wait(MATE_BEAT_S / 2):
+            now = time.monotonic()
+            for m in mates:
+                n = self._beats(m)
+                if n != last[m][0]:
+                    last[m] = (n, now)
+                elif now - last[m][1] > MATE_SILENT_S:
+                    self.mate_lost.set()
+            if now > deadline:
+                return False
+        return True
+
+    def _beats(self, mate: int) -> int:
+        """Group-mate `mate`'s beats so far (-1 once it has left)."""
+        if self._store.add(f"left/{mate}", 0):
+            return -1
+        return self._store.add(f"beat/{mate}", 0)
+
+    def leave(self) -> None:
+        """Stop beating and watching (the group-mates stop expecting this worker's beats)."""
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(timeout=2 * MATE_BEAT_S)
+
+    def _watch_mates(self) -> None:
+        """Beat every MATE_BEAT_S in the generation's store (a client of its own: stores are not
+        shared across threads) and note a group-mate whose beat has not moved for MATE_TIMEOUT_S."""
+        from torch.distributed import TCPStore
+
+        try:
+            store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=MATE_TIMEOUT_S))
+            seen: dict[int, tuple[int, float]] = {}
+            while not self._stop.wait(MATE_BEAT_S):
+                store.add(f"beat/{self.shard}", 1)
+                now = time.monotonic()
+                for mate in range(self.size):
+                    if mate == self.shard or store.add(f"left/{mate}", 0):
+                        continue
+                    n = store.add(f"beat/{mate}", 0)
+                    if mate not in seen or seen[mate][0] != n:
+                        seen[mate] = (n, now)
+                    elif n and now - seen[mate][1] > MATE_TIMEOUT_S:
+                        self.mate_lost.set()
+                        self.on_mate_lost()
+                        if not self._caught.wait(MATE_GRACE_S):
+                            # the training thread waits in a call that nothing here can end (torchft's
+                            # manager server waits for the dead worker's commit vote until its timeout):
+                            # this process ends, and Ray replaces it too
+                            self.say(f"sharding group {self.group}: shard rank {mate} died and this worker "
+                                     f"(shard rank {self.shard}) is stuck waiting for it; it ends, to be replaced")
+                            time.sleep(0.3)  # the line reaches job control
+                            os._exit(1)
+                        return
+            store.add(f"left/{self.shard}", 1)
+        except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
+            return
+
+
+def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tuple[Any, Any]:
+    """This worker's torchft manager and its process group across the live groups (the replica
+    group of its shard rank: abort it the moment this worker stops training, so the peers' collectives
+    with it fail at once instead of at their timeout): shard rank s of its sharding group's L (the group's manager
+    server on shard rank 0, found through the generation's store), gloo (NCCL on a GPU:
+    `engine.device.process_group_backend`) across groups, heals over the same process group
+    (`PGTransport`), a quorum of at least one live group, every round synchronous (a heal lands
+    before the forward pass, and a peer's state is read while it waits)."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -76,8 +257,10 @@ def make_manager(heal: "HealTransport", replica: int, device: Any) -> Any:
     pg = kind(timeout=timeout)
     return Manager(pg=pg, load_state_dict=heal.load, state_dict=heal.state_dict, min_replica_size=1,
                    use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
-                   world_size=1, rank=0, replica_id=f"recgrid_{replica}",
-                   checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
+                   connect_timeout=timedelta(seconds=GROUP_START_S),
+                   world_size=group.size, rank=group.shard, store_addr=group.host, store_port=group.port,
+                   replica_id=f"recgrid_g{group.group}",
+                   checkpoint_transport=PGTransport(pg, timeout=timeout, device=device)), pg
 
 
 def kernel_digest(trainer: Trainer) -> str:
@@ -91,12 +274,15 @@ def dense_digest(trainer: Trainer) -> str:
 
 
 class HealTransport:
-    """What torchft sends a recovering replica, and how the replica loads it (the manager's
+    """What torchft sends a recovering group, and how its workers load it (the manager's
     `state_dict` / `load_state_dict`): the trainer's snapshot (its one state inventory), plus
-    who sent it and the weights' checksum, so the heal can be shown bit for bit."""
+    which group sent it and the weights' checksum, so the heal can be shown bit for bit. The
+    data cursor is the one thing not taken from the peer: `own_cursor()` gives this group's own
+    newest one (None: it never committed, and reads its parts from the start of the epoch plan)."""
 
-    def __init__(self, trainer: Trainer, replica: int) -> None:
-        self.trainer, self.replica = trainer, replica
+    def __init__(self, trainer: Trainer, replica: int,
+                 own_cursor: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+        self.trainer, self.replica, self.own_cursor = trainer, replica, own_cursor
         self.heals: list[dict[str, Any]] = []  # heals of this replica, newest last
         self.unseen_heal = False  # set by `load`, cleared by the component (the data cursor moved)
         self.sent = 0  # heals this replica sent to a peer (`state_dict`)
@@ -111,7 +297,10 @@ class HealTransport:
 
     def load(self, sd: dict[str, Any]) -> None:
         t0 = time.time()
-        self.trainer.load_snapshot(Snapshot.from_dict(sd["snapshot"]), window=None)
+        snap = Snapshot.from_dict(sd["snapshot"])
+        own = self.own_cursor()
+        snap.progress["cursor"] = own if own is not None else type(self.trainer.state.cursor)().state_dict()
+        self.trainer.load_snapshot(snap, window=None)
         self.heals.append({"from": int(sd["from"]), "step": self.trainer.state.step, "source_digest": sd["digest"],
                            "digest": kernel_digest(self.trainer), "load_s": time.time() - t0, "at": time.time()})
         self.unseen_heal = True
@@ -120,21 +309,23 @@ class HealTransport:
 class ReplicaListener(Protocol):
     """What the worker hears from the component."""
 
-    def quorum(self, live: int, rank: int) -> None: ...  # after every quorum: live replicas, this one's rank
+    def quorum(self, live: int, rank: int) -> None: ...  # after every quorum: live groups, this group's rank
     def finished_elsewhere(self) -> bool: ...  # a newcomer with nothing left to train
     def committed(self, step: int, live: int, synced: bool) -> None: ...  # after a committed round
     def say(self, msg: str) -> None: ...  # a line for the user's console
 
 
 class TorchftReplicas(Replicas):
-    """The trainer's replica component under torchft (the module docstring's rounds)."""
+    """The trainer's replica component under torchft (the module docstring's rounds), for a
+    worker of a sharding group of `group_size` workers (the default process group)."""
 
     rounds_talk = True  # every round asks the quorum, every commit too: charged to "sync"
 
-    def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener) -> None:
+    def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener,
+                 group_size: int = 1) -> None:
         super().__init__(trainer)
-        self.manager, self.heal, self.listener = manager, heal, listener
-        self.live: int | None = None  # live replicas in the current quorum
+        self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
+        self.live: int | None = None  # live sharding groups in the current quorum
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
 
@@ -172,12 +363,13 @@ class TorchftReplicas(Replicas):
         for job in (grads, tables):
             if job is not None:
                 job()
-        committed = self.manager.should_commit()
+        # a group-mate that died before it voted would hold the vote until the manager's timeout
+        committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
         self._tables = tables if committed else None
         if not committed:
             err = self.manager.errored()
             why = str(getattr(err, "original_exception", err) or "the quorum did not agree").splitlines()[0][:200]
-            self.listener.say(f"replica {self.heal.replica}: the round for step {step} did not commit ({why}); "
+            self.listener.say(f"sharding group {self.heal.replica}: the round for step {step} did not commit ({why}); "
                               f"the next round takes the next batch")
         return committed
 
@@ -198,27 +390,31 @@ class TorchftReplicas(Replicas):
 
     @property
     def workers(self) -> int:
-        return self.live or 1
+        return (self.live or 1) * self.group_size
 
     def reduce(self, **states: Any) -> dict[str, float]:
         live = self.live or 1
-        values = reduce_metrics(reducer=self._reduce_sums if live > 1 else None, **states)
+        reducer = self._reduce_sums if live > 1 or self.group_size > 1 else None
+        values = reduce_metrics(reducer=reducer, **states)
         if "train" in states:
-            values["train/examples_total"] = float(self.trainer.state.examples)  # the job's, not a sum of replicas'
+            values["train/examples_total"] = float(self.trainer.state.examples)  # the job's, not a sum of workers'
         return values
 
     def agree_stop(self, mine: int) -> int:
         import torch
+        import torch.distributed as dist
         from torch.distributed import ReduceOp
 
         # on the trainer's device: the manager's process group is NCCL on CUDA, which refuses CPU tensors
         stop = torch.tensor([float(mine)], dtype=torch.float64, device=self.trainer.device)
+        if self.group_size > 1:  # the sharding group's largest, then the live groups'
+            dist.all_reduce(stop, op=ReduceOp.MAX)
         if (self.live or 1) > 1:
             self.manager.allreduce(stop, reduce_op=ReduceOp.MAX).wait()
         return int(stop[0])
 
     def evaluates(self) -> bool:
-        """The live replica of quorum rank 0 evaluates (every eval row, on its own)."""
+        """The live sharding group of quorum rank 0 evaluates (every eval row, over its L workers)."""
         return self.manager.participating_rank() == 0
 
     def _average(self, tensors: list[Any]) -> "_Average":
@@ -255,15 +451,21 @@ class TorchftReplicas(Replicas):
                                f"collective; it must live on {self.trainer.device}")
 
     def _reduce_sums(self, sums: Any, maxes: Any) -> None:
-        """`reduce_metrics`' reducer: the metric sums and maxima over the live replicas."""
+        """`reduce_metrics`' reducer: the metric sums and maxima over the sharding group (the
+        default process group), then over the live groups."""
+        import torch.distributed as dist
         from torch.distributed import ReduceOp
 
         device = self.trainer.device  # the manager's process group's (NCCL on CUDA refuses CPU tensors)
         on = [x if x.device.type == device.type else x.to(device) for x in (sums, maxes)]
-        works = [self.manager.allreduce(on[0], reduce_op=ReduceOp.SUM),
-                 self.manager.allreduce(on[1], reduce_op=ReduceOp.MAX)]
-        for w in works:
-            w.wait()
+        if self.group_size > 1:
+            dist.all_reduce(on[0], op=ReduceOp.SUM)
+            dist.all_reduce(on[1], op=ReduceOp.MAX)
+        if (self.live or 1) > 1:
+            works = [self.manager.allreduce(on[0], reduce_op=ReduceOp.SUM),
+                     self.manager.allreduce(on[1], reduce_op=ReduceOp.MAX)]
+            for w in works:
+                w.wait()
         for x, y in zip((sums, maxes), on):
             if y is not x:
                 x.copy_(y)

@@ -16,9 +16,9 @@ trainer (`train.trainer`: the one step loop) to the job's actors and components.
    control (`train.control`). Global rank 0 logs into the job's one MLflow run (never twice for
    a step), prints progress, and records the recovery events.
 
-`train_replica` (train.fault_tolerance=torchft, L = 1): the same trainer and loop with torchft's
-replica component (`train.ft.TorchftReplicas`); the live replica of quorum rank 0 logs, and
-`ReplicaReport` records each replacement's heal.
+`train_replica` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
+replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers; shard rank
+0 of the live group of quorum rank 0 logs, and `ReplicaReport` records each rebuilt group's heal.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class WorkerJob:
     rows_per_unit: int
     checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
+    group_stores: Any  # torchft: the sharding groups' rendezvous actor (`train.ft.ShardingGroupStores`); else None
 
 
 def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
@@ -206,58 +207,109 @@ def train_worker(cfg: dict) -> None:
 
 def train_replica(cfg: dict) -> None:
     """Ray Train's per-worker function with train.fault_tolerance=torchft (`cfg["job"]` is the
-    WorkerJob): one replica (L = 1), its torchft manager, the trainer's one loop."""
+    WorkerJob): shard rank s of sharding group g (the grid's coordinates of this worker's global
+    rank), the group's process group and torchft manager (`train.ft.ShardingGroup`), the
+    trainer's one loop. A worker Ray starts after a failure (a replacement) heals with its group
+    from a live peer group at its first round; a worker whose group-mate died rebuilds its group
+    in place with the replacement (`train.ft`) and heals the same way."""
     import logging
 
     import ray
-
-    from recgrid.train.ft import HealTransport, TorchftReplicas, make_manager
 
     job: WorkerJob = cfg["job"]
     ctx, device = _start_worker(job)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every round at INFO
     # torchft logs a peer's death as a traceback; the component says it in one line
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    replica, replicas = ctx.get_world_rank(), ctx.get_world_size()  # replica id, T (= M: L = 1)
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()  # global rank, T
+    coords = Grid(world, world // job.group_size, job.layout).coords(rank)  # type: ignore[arg-type]
     control = job.control
     attempt = ray.get(control.begin_attempt.remote(1))
-    ray.get(control.register.remote(attempt, replica, os.getpid(), ray.get_runtime_context().get_node_id()))
+    ray.get(control.register.remote(attempt, rank, os.getpid(), ray.get_runtime_context().get_node_id()))
     status = ray.get(control.status.remote())
-    replacement = any(replica in a["workers"] for a in status["attempts"][:attempt])
+    replacement = any(rank in a["workers"] for a in status["attempts"][:attempt])
+    attempt_info = status["attempts"][attempt]
+    while True:
+        broke_at = _train_sharding_group(job, coords, device, attempt, attempt_info, replacement)
+        if broke_at is None:
+            return
+        # rebuilt in place: this worker's next generation of the group counts as a recovery from `broke_at`
+        replacement, attempt_info = True, {"start": time.time(), "failure_time": broke_at}
 
-    # the whole model on this worker: TorchRec's DMP over the world of one Ray made for this replica group
-    trainer = Trainer.build(Grid(1, 1), job.engine, device, job.plan, pipeline=False)
-    heal = HealTransport(trainer, replica)
-    manager = make_manager(heal, replica, device)
-    control.note.remote(attempt, replica, {"ready": True})
+
+def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int, attempt_info: dict[str, Any],
+                          replacement: bool) -> float | None:
+    """One generation of this worker's sharding group: join, build, train to the end (None), or
+    until a group-mate dies (the time this worker saw its group break; every handle built with
+    the dead worker is dropped)."""
+    import ray
+    import torch.distributed as dist
+
+    from recgrid.train.ft import HealTransport, ShardingGroup, TorchftReplicas, make_manager
+
+    control, L, world = job.control, job.group_size, job.max_world_size
+    rank, g, s = coords.rank, coords.sharding_group, coords.shard_rank
+    before = ray.get(control.group_status.remote(g)) if replacement else {}  # the group's last commit before it failed
+    group = ShardingGroup(job.group_stores, g, s, L, device, say=lambda m: control.say.remote(f"[recgrid] {m}"))
+    # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group)
+    trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, pipeline=False)
+    heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
+    manager, replica_pg = make_manager(heal, group, device)
+
+    def mate_lost() -> None:  # the other groups' collectives with this worker fail now; a quorum it waits in ends
+        replica_pg.abort()
+        manager.shutdown(wait=False)
+
+    group.on_mate_lost = mate_lost
+    control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s,
+                                        f"generation@{time.time():.3f}": group.generation})
     if not replacement:
-        _wait_for_peers(control, replicas)
-    report = ReplicaReport(job, trainer, heal, replica, attempt, replacement, status["attempts"][attempt],
-                           metrics_exporter(job, replica))
-    trainer.replicas = TorchftReplicas(trainer, manager, heal, report)
-    # every replica id owns a part of each epoch, live or not: a dead replica's rows wait for no one;
-    # the evaluating replica reads every eval row
-    data, eval_data = _data(job, replica, replicas, 0, 1, device)
-    rows = RowLog(job.row_log, attempt, replica) if job.row_log else None
-    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[report.step],
+        _wait_for_peers(control, world)
+    report = ReplicaReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
+                           metrics_exporter(job, rank), before)
+    trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L)
+    # every global rank owns a part of each epoch, live or not, with its sharding group's cursor;
+    # the evaluating group reads every eval row over its L workers
+    data, eval_data = _data(job, rank, world, s, L, device)
+    rows = RowLog(job.row_log, attempt, rank) if job.row_log else None
+
+    def note_progress(step: int) -> None:  # a rebuilt group reads on from its own cursor (train.ft)
+        if s == 0:
+            control.group_progress.remote(g, step, trainer.state.cursor.state_dict(), time.time())
+
+    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[note_progress, report.step],
                      stop_requested=StopPoll(control))
+    broke_at = None
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
+    except Exception as e:  # noqa: BLE001 - a group-mate's death, or re-raised
+        broke_at = time.time()
+        replica_pg.abort()  # the other groups' collectives with this worker fail now, not at their timeout
+        if not group.broke(e):
+            raise
+        seen = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        control.say.remote(f"[recgrid] sharding group {g}: a group-mate died (shard rank {s} saw: {seen}); "
+                           f"rebuilding the group in place with its replacement")
     finally:
+        group.leave()
         manager.shutdown(wait=False)
+    if broke_at is not None:
+        dist.destroy_process_group()  # this generation's process groups; the next is built by the next ShardingGroup
+        return broke_at
     report.finish()
-    ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live replica: the same
+    ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
+    return None
 
 
-def _wait_for_peers(control: Any, replicas: int) -> None:
-    """At the job's first start, wait until every replica's manager is up: the first quorum then
-    holds all of them (torchft forms a quorum of whoever asks first otherwise)."""
+def _wait_for_peers(control: Any, workers: int) -> None:
+    """At the job's first start, wait until every worker's manager is up: the first quorum then
+    holds every sharding group (torchft forms a quorum of whoever asks first otherwise)."""
     import ray
 
     deadline = time.time() + START_WAIT_S
     while time.time() < deadline:
         attempts = ray.get(control.status.remote())["attempts"]
-        if len({r for a in attempts for r, w in a["workers"].items() if w.get("ready")}) >= replicas:
+        if len({r for a in attempts for r, w in a["workers"].items() if w.get("ready")}) >= workers:
             return
         time.sleep(0.1)
 
@@ -424,19 +476,33 @@ class Reporter:
         """Recovery number `count` into the run: its metrics and its source, detail and why as tags."""
         values = {"recovery/count": count, "recovery/seconds": event["seconds"],
                   "recovery/steps_lost": event.get("steps_lost", 0)}
+        if "survivors_qps" in event:  # torchft: what the groups that kept training did meanwhile
+            values.update({"recovery/survivors_qps": event["survivors_qps"],
+                           "recovery/survivors_qps_before": event["survivors_qps_before"],
+                           "recovery/survivors_steps": event["survivors_steps"]})
+        tags = {f"recovery/source/{count}": event["source"], f"recovery/detail/{count}": event.get("detail", ""),
+                f"recovery/why/{count}": event.get("why", "")}
+        if "kept_training" in event:
+            tags[f"recovery/kept_training/{count}"] = ",".join(map(str, event["kept_training"])) or "none"
         if self.tracker is not None:
             self.tracker.log_metrics(values, step)
-            self.tracker.set_tags({f"recovery/source/{count}": event["source"],
-                                   f"recovery/detail/{count}": event.get("detail", ""),
-                                   f"recovery/why/{count}": event.get("why", "")})
+            self.tracker.set_tags(tags)
         self.exporter(values, step)
 
     def log(self, values: dict[str, float], step: int) -> None:
         from recgrid.logs import progress_line
 
+        import ray
+
         self.heartbeat.beat(step)
-        if step <= self.logged_upto and "eval/ne" not in values:
-            return  # this step reached the run before the restart
+        # each step's training metrics and its evaluation reach the run once: a step trained again
+        # after a restart, an evaluation repeated after a rollback, or a new logging worker are not logged twice
+        series = "eval" if "eval/ne" in values else "train"
+        if (series == "train" and step <= self.logged_upto) or not ray.get(self.control.claim_step.remote(series, step)):
+            return
+        if series == "eval" and not ray.get(self.control.claim_step.remote("train", step)):
+            # the step's training metrics came first (memory, ...): the evaluation adds its own only
+            values = {k: v for k, v in values.items() if k.startswith("eval/")}
         if self.tracker is not None:
             self.tracker.log_metrics(values, step)
         self.control.mark_logged.remote(step)
@@ -445,17 +511,19 @@ class Reporter:
 
 
 class ReplicaReport:
-    """A torchft replica's side of logging and recovery events (`train.ft.ReplicaListener`): the
-    live replica of quorum rank 0 logs through a `Reporter` (it changes when that replica dies),
-    logs `grid/num_groups` whenever the live replica count changes, and logs the replacement
-    events the newcomers record (`recovery/count`, `recovery/source` = peer, `recovery/seconds`:
-    the controller seeing the failure -> the newcomer's first committed step). In Ray Train's
-    terms, an attempt here is one replica group's start."""
+    """A torchft worker's side of logging and recovery events (`train.ft.ReplicaListener`): shard
+    rank 0 of the live sharding group of quorum rank 0 logs through a `Reporter` (it changes when
+    that group fails), logs `grid/num_groups` whenever the live group count changes, and logs the
+    recovery events that rebuilt groups record (`recovery/count`, `recovery/source` = peer,
+    `recovery/seconds`: the controller seeing the failure -> the rebuilt group's first committed
+    step, the groups that kept training and their QPS meanwhile). In Ray Train's terms, an
+    attempt here is one worker's start (Ray's replica groups are single workers)."""
 
-    def __init__(self, job: WorkerJob, trainer: Trainer, heal: Any, replica: int, attempt: int, replacement: bool,
-                 attempt_info: dict[str, Any], exporter: Any) -> None:
-        self.job, self.trainer, self.heal, self.replica, self.attempt = job, trainer, heal, replica, attempt
-        self.replacement, self.attempt_info, self.exporter = replacement, attempt_info, exporter
+    def __init__(self, job: WorkerJob, trainer: Trainer, heal: Any, coords: Any, attempt: int, replacement: bool,
+                 attempt_info: dict[str, Any], exporter: Any, before: dict[str, Any]) -> None:
+        self.job, self.trainer, self.heal, self.attempt = job, trainer, heal, attempt
+        self.rank, self.group, self.shard = coords.rank, coords.sharding_group, coords.shard_rank
+        self.replacement, self.attempt_info, self.exporter, self.before = replacement, attempt_info, exporter, before
         self.control, self.coordinator = job.control, job.recovery
         self.report: Reporter | None = None  # while this replica is the quorum's rank 0
         self.live: int | None = None
@@ -467,12 +535,13 @@ class ReplicaReport:
 
     # ---- ReplicaListener ------------------------------------------------------------------------------
     def quorum(self, live: int, rank: int) -> None:
-        if rank == 0 and self.report is None:
+        if rank == 0 and self.shard == 0 and self.report is None:
             self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter)
+            self.control.note.remote(self.attempt, self.rank, {"logging_since": time.time()})
         elif rank != 0:
             self.report = None
         if live != self.live and self.report is not None:
-            self.report.log_grid(live, live, self.trainer.state.step)
+            self.report.log_grid(live, live * self.job.group_size, self.trainer.state.step)
         self.live = live
 
     def finished_elsewhere(self) -> bool:
@@ -485,7 +554,7 @@ class ReplicaReport:
         attempts = ray.get(self.control.status.remote())["attempts"]
         if not any("final_step" in w for a in attempts for w in a["workers"].values()):
             return False
-        self.control.say.remote(f"[recgrid] replica {self.replica}: the other replicas have finished the job; "
+        self.control.say.remote(f"[recgrid] sharding group {self.group}: the other groups have finished the job; "
                                 f"nothing to train")
         return True
 
@@ -505,7 +574,7 @@ class ReplicaReport:
                 # notes its tables, which must then be the same on all of them (no collective: notes go
                 # to job control). Two, because a newcomer that heals in the round of a sync step may
                 # commit its first sync a round later than the replicas that were live.
-                self.control.note.remote(self.attempt, self.replica, {f"digest@{step}": kernel_digest(self.trainer),
+                self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": kernel_digest(self.trainer),
                                                                       f"live@{step}": live})
                 self.digests_left -= 1
 
@@ -534,35 +603,63 @@ class ReplicaReport:
         t = self.trainer
         if self.report is not None:
             self._log_events(t.state.step)
-        ray.get(self.control.note.remote(self.attempt, self.replica, {
+        ray.get(self.control.note.remote(self.attempt, self.rank, {
             "final_step": t.state.step, "final_digest": kernel_digest(t), "final_dense_digest": dense_digest(t),
             "heals": [dict(h) for h in self.heal.heals]}))
 
     # ---- events -----------------------------------------------------------------------------------------
     def _record_start(self) -> None:
-        """At this replica's first committed step: a replacement records how it came back."""
+        """At its first committed step, shard rank 0 of a rebuilt group records how the group came
+        back, and what the groups that kept training did meanwhile."""
         import ray
 
-        if not self.replacement:
+        if not self.replacement or self.shard != 0:
             return
         now = time.time()
         detected = self.attempt_info.get("failure_time") or self.attempt_info["start"]
         heal = self.heal.heals[-1] if self.heal.heals else None
         if heal is None or heal["step"] == 0:
-            event = {"source": "fresh", "step": 0, "why": "no live replica ahead of this one: training starts again "
-                                                          "from step 0 (no storage checkpoints with torchft)"}
+            event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one: training starts "
+                                                          "again from step 0 (no storage checkpoints with torchft)"}
         else:
             event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"],
                      "digest": heal["digest"], "source_digest": heal["source_digest"],
                      "bit_identical": heal["digest"] == heal["source_digest"], "restore_s": heal["load_s"],
-                     "why": f"replica {self.replica} replaced; healed from live replica {heal['from']} over "
-                            f"torchft's PGTransport (no storage read; the other replicas kept running)",
-                     "detail": f"replica {self.replica} from replica {heal['from']}"}
-        event.update(attempt=self.attempt, replica=self.replica, pid=os.getpid(), failure_step=None, steps_lost=0,
+                     "why": f"sharding group {self.group} rebuilt; healed from live group {heal['from']} over "
+                            f"torchft's PGTransport (no storage read; the other groups kept training)",
+                     "detail": f"group {self.group} from group {heal['from']}"}
+        event.update(self._survivors(detected, now))
+        event.update(attempt=self.attempt, replica=self.group, sharding_group=self.group, pid=os.getpid(),
+                     failure_step=self.before.get("step"), steps_lost=0,
                      t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
                      t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
-                     num_groups=self.live, world_size=self.live)
+                     num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
         ray.get(self.coordinator.record.remote(event))
+
+    def _survivors(self, since: float, now: float) -> dict[str, Any]:
+        """The groups that kept training while this one was rebuilt (`since` the failure was seen,
+        to `now`), their QPS meanwhile and in as long a span before (from the commits their shard
+        rank 0 noted, `JobControl.group_progress`)."""
+        import ray
+
+        groups = ray.get(self.control.group_status.remote())
+        others = {g: p for g, p in groups.items() if g != self.group}
+        kept = sorted(g for g, p in others.items() if p.get("at", 0) > since)
+        out: dict[str, Any] = {"kept_training": kept}
+        if not kept:
+            return out
+        history = others[kept[0]]["history"]  # every live group commits the same rounds
+        rows_per_step = self.job.loop.batch_size * self.job.group_size * len(kept)
+
+        def steps(t0: float, t1: float) -> int:
+            inside = [step for t, step in history if t0 <= t <= t1]
+            return inside[-1] - inside[0] if len(inside) > 1 else 0
+
+        span = max(now - since, 1e-9)
+        during, before = steps(since, now), steps(since - span, since)
+        out.update(survivors_steps=during, survivors_qps=during * rows_per_step / span,
+                   survivors_qps_before=before * rows_per_step / span)
+        return out
 
     def _log_events(self, step: int) -> None:
         """The logger's part: replacement events recorded by newcomers, each logged once."""
