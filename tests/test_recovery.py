@@ -269,7 +269,7 @@ def _kernel_lrs(trainer) -> list[float]:
     """The learning rates the fused kernels apply: lr * sqrt(c) (`MomentScaledRowWiseAdagrad`)."""
     from recgrid.engine.sync import embedding_kernels
 
-    return sorted({round(k.get_learning_rate(), 9) for k in embedding_kernels(trainer.model)})
+    return sorted({k.get_learning_rate() for k in embedding_kernels(trainer.model)})
 
 
 def _full_tables(checkpoint: str, tmp) -> dict:
@@ -298,7 +298,7 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
     written_at = run_local(save_or_load, 4, str(tmp_path / "a"), "save", 2)
     saved = written_at[0]["path"]
     lr = _engine(Grid(4, 2)).lr
-    assert {tuple(r["lrs"]) for r in written_at} == {(round(lr * 2 ** 0.5, 9),)}  # c = M = 2
+    assert [lr * 2 ** 0.5] * 4 == pytest.approx([x for r in written_at for x in r["lrs"]], rel=1e-6)  # c = M = 2
     written = sum(os.path.getsize(os.path.join(saved, f)) for f in os.listdir(saved))
     want = _full_tables(saved, tmp_path)
     table_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if "embedding_bags" in k)
@@ -316,7 +316,7 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
         loaded = run_local(save_or_load, T, saved, "load", 1, str(tmp_path / f"t{T}m1"))
         assert all(r["step"] == 6 and r["examples"] == 777 for r in loaded)
         # c re-derived for the new M: the checkpoint's optimizer state does not bring the old M's c back
-        assert {tuple(r["lrs"]) for r in loaded} == {(round(lr, 9),)}
+        assert [lr] * T == pytest.approx([x for r in loaded for x in r["lrs"]], rel=1e-6)
         got = _full_tables(str(tmp_path / f"t{T}m1" / "checkpoint_step_00000006"), tmp_path)
         assert set(got) == set(want)
         for k in want:
