@@ -7,11 +7,14 @@ times restored from in-memory copies (no storage read), restored shards equal to
 bit for bit, the same rows trained at the same steps as the M=2 run that never failed (none
 skipped), at most K steps' worth trained twice per recovery, and the same final eval NE."""
 
+import collections
+import io
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,12 +49,8 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     run of), a job that fails on a bad row and the chaos job, on the suite's shared
     local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
     logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
-    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store."""
-    import contextlib
-    import io
-
-    from recgrid.launch.ray import run_job
-
+    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store. The three run
+    side by side, as jobs share a cluster."""
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
@@ -66,20 +65,25 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
     # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
     chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD])
+                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD, *SIDE_BY_SIDE])
+    # the chaos job's failure-free twin (which writes no storage checkpoint: it tests no restore)
+    twin_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
+    failed_cfg = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
+        "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
+        "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed",
+        *SIDE_BY_SIDE])
     seed = chaos_seed()  # whom and when to kill: replay a failing run with RECGRID_CHAOS_SEED
     kills = []
+    printed = _ThreadOutput(sys.stdout)
+    sys.stdout = printed
     try:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            # the chaos job's failure-free twin (which writes no storage checkpoint: it tests no restore)
-            m2 = run_job(_job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0"]))
-        print(printed.getvalue())
-        M2.update(printed=printed.getvalue(), server=mlflow_server)
-        failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
-            f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
-            "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
-            "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed"]))
+        # the three jobs run side by side on the cluster (a job alone leaves the machine's cores
+        # idle while it waits on Ray: starting workers, detecting a death); the twin starts first,
+        # so the chaos job's workers start while its train
+        twin = BackgroundJob(twin_cfg)
+        failed_job = BackgroundJob(failed_cfg)
+        twin.wait_for(lambda s: training(s, 0))
         rng = random.Random(seed)
         job = BackgroundJob(chaos_cfg)
         # each kill lands once the victim's row log shows step `at` (a step or so past it): the
@@ -93,10 +97,12 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
                 time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
-        chaos = job.join()
+        chaos, m2, failed = job.join(), twin.join(), failed_job.join()
     finally:
+        sys.stdout = printed.out
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    M2.update(printed=printed.of(twin.thread), server=mlflow_server)
     CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,
                  rows=(tmp / "rows-M2", tmp / "rows-chaos"))
     from mlflow.tracking import MlflowClient
@@ -107,6 +113,28 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
 
 CHAOS: dict = {}
 M2: dict = {}  # what the M=2 job printed, and the server it logged to
+# the three jobs of `two_runs` run at once on the 3-CPU cluster: a quarter CPU per worker leaves
+# Ray Data's read tasks their share
+SIDE_BY_SIDE = ["train.cpus_per_worker=0.25"]
+
+
+class _ThreadOutput(io.TextIOBase):
+    """sys.stdout while jobs run side by side in threads: passed on, and kept per thread (what one
+    job printed, whole lines: each thread's writes in order)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.by_thread: dict[int, list[str]] = collections.defaultdict(list)
+
+    def write(self, text: str) -> int:
+        self.by_thread[threading.get_ident()].append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def of(self, thread: threading.Thread) -> str:
+        return "".join(self.by_thread[thread.ident])
 
 
 def test_m2_job_lands_in_mlflow(two_runs):
