@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults import CHAOS_SEED_ENV, BackgroundJob, chaos_seed, row_audit, row_log_step, training
+from faults import CHAOS_SEED_ENV, BackgroundJob, chaos_seed, planned_rows, row_audit, row_log_step, training
 from recgrid.train import recovery
 from recgrid.config import load_config
 
@@ -49,8 +49,8 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     run of), a job that fails on a bad row and the chaos job, on the suite's shared
     local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
     logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
-    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store. The three run
-    side by side, as jobs share a cluster."""
+    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store. They run side
+    by side, as jobs share a cluster, with the elastic sit-out job as a fourth."""
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
@@ -73,17 +73,23 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
         "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
         "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed",
         *SIDE_BY_SIDE])
+    # the elastic sit-out job: T=4, M=2 (L=2) elastic down to 2, where only 3 of its workers fit
+    sit_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-sit-out", f"data.row_log={tmp}/rows-sit-out",
+                                  f"train.storage_path={tmp}/storage-sit-out", "grid.min_world_size=2",
+                                  f"train.resources_per_worker={{memory: {_room_for(3)}}}", "train.max_steps=10",
+                                  "train.checkpoint_every=5", "data.eval=[]", *SIDE_BY_SIDE])
     seed = chaos_seed()  # whom and when to kill: replay a failing run with RECGRID_CHAOS_SEED
     kills = []
     printed = _ThreadOutput(sys.stdout)
     sys.stdout = printed
     try:
-        # the three jobs run side by side on the cluster (a job alone leaves the machine's cores
-        # idle while it waits on Ray: starting workers, detecting a death); the twin starts first,
-        # so the chaos job's workers start while its train
+        # the jobs run side by side on the cluster (a job alone leaves the machine's cores idle
+        # while it waits on Ray: starting workers, detecting a death); the sit-out and chaos jobs
+        # start once the twin trains
         twin = BackgroundJob(twin_cfg)
         failed_job = BackgroundJob(failed_cfg)
-        twin.wait_for(lambda s: training(s, 0))
+        twin.wait_for(lambda s: training(s, 0))  # it made the data the others read (once, alone)
+        sit_out = BackgroundJob(sit_cfg)
         rng = random.Random(seed)
         job = BackgroundJob(chaos_cfg)
         # each kill lands once the victim's row log shows step `at` (a step or so past it): the
@@ -97,7 +103,7 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
                 time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
-        chaos, m2, failed = job.join(), twin.join(), failed_job.join()
+        chaos, m2, failed, sat = job.join(), twin.join(), failed_job.join(), sit_out.join()
     finally:
         sys.stdout = printed.out
         for k, v in old_env.items():
@@ -105,6 +111,7 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     M2.update(printed=printed.of(twin.thread), server=mlflow_server)
     CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,
                  rows=(tmp / "rows-M2", tmp / "rows-chaos"))
+    SIT_OUT.update(config=sit_cfg, result=sat, rows=tmp / "rows-sit-out", storage=tmp / "storage-sit-out")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -112,10 +119,19 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
 
 
 CHAOS: dict = {}
+SIT_OUT: dict = {}
 M2: dict = {}  # what the M=2 job printed, and the server it logged to
-# the three jobs of `two_runs` run at once on the 3-CPU cluster: a quarter CPU per worker leaves
-# Ray Data's read tasks their share
-SIDE_BY_SIDE = ["train.cpus_per_worker=0.25"]
+
+
+def _room_for(workers: int) -> int:
+    """Bytes of Ray's `memory` resource per worker so that the cluster's node holds `workers` of
+    them (a logical resource: nothing else here asks for it), whatever its CPUs."""
+    import ray
+
+    return int(ray.cluster_resources()["memory"] / (workers + 0.5))
+# the jobs of `two_runs` run at once on the 3-CPU cluster (13 workers): a tenth of a CPU per worker
+# leaves Ray Data's read tasks of all of them room, and every attempt's start finds a read task's share free
+SIDE_BY_SIDE = ["train.cpus_per_worker=0.1"]
 
 
 class _ThreadOutput(io.TextIOBase):
@@ -366,6 +382,30 @@ def test_chaos_survivors_were_restarted_by_ray_train(chaos):
     assert len(pids) == 3
     print(f"worker pids per attempt: {[sorted(p) for p in pids]}")
     assert not (pids[0] & pids[1]) and not (pids[1] & pids[2])
+
+
+# ---- elastic sit-out -------------------------------------------------------------------------------------
+def test_a_worker_past_the_last_whole_sharding_group_sits_out_and_joins_the_checkpoints(two_runs):
+    """T=4, M=2 (L=2), elastic down to 2, on a cluster with room for 3 of its workers: the attempt
+    gets 3, one whole sharding group of 2 trains (M'=1) and the third sits out. It trains nothing,
+    yet joins Ray Train's report of every storage checkpoint (the job would hang at the first one
+    otherwise) and the job's end; the two train exactly the rows the epoch plan gives two workers."""
+    from recgrid.train.checkpoint import checkpoint_name
+    from recgrid.train.worker import read_row_logs
+
+    client = two_runs[0]
+    cfg, r = SIT_OUT["config"], SIT_OUT["result"]
+    assert r.status == "FINISHED", r.error
+    assert [a["world_size"] for a in r.attempts] == [3] and not r.events
+    assert [m.value for m in client.get_metric_history(r.run_id, "grid/world_size")] == [2]
+    assert [m.value for m in client.get_metric_history(r.run_id, "grid/num_groups")] == [1]
+    assert sorted(read_row_logs(str(SIT_OUT["rows"]))) == [(0, 0), (0, 1)]  # the worker sitting out trained no row
+    got, _ = row_audit(SIT_OUT["rows"])
+    want = planned_rows(cfg, 2, cfg.train.max_steps)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[s], want[s]) for s in want)
+    # both checkpoints written (by the two) and reported to Ray Train (by all three)
+    written = sorted(p.parent.name for p in SIT_OUT["storage"].rglob(".metadata"))
+    assert written == [checkpoint_name(5), checkpoint_name(10)], written
 
 
 # ---- on the shared cluster, without a training job ----------------------------------------------------------

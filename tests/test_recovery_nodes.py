@@ -255,31 +255,3 @@ def test_elastic_job_shrinks_to_one_group_and_grows_back(cluster, tmp_path):
     # evaluation ran over every eval row on the regrown grid and gave a number
     assert r.metrics["eval/examples"] == 8000 and math.isfinite(r.metrics["eval/ne"])
 
-
-def test_a_worker_past_the_last_whole_sharding_group_sits_out_and_joins_the_checkpoints(cluster, tmp_path):
-    """Elastic sit-out: T=6, M=2 (L=3), elastic down to 3, on the two worker nodes' four slots (a
-    quarter CPU each, so the driver's check leaves Ray Data its share for all six): the
-    attempt gets 4 workers, one whole sharding group of 3 trains (M'=1) and the fourth sits out. It
-    trains nothing, yet joins Ray Train's report of every storage checkpoint (the job would hang at
-    the first one otherwise) and the job's end; the three train exactly the rows the epoch plan gives
-    three workers."""
-    from recgrid.train.checkpoint import checkpoint_name
-    from recgrid.train.worker import read_row_logs
-
-    cfg = small_job(tmp_path, "test-sit-out", "grid.world_size=6", "grid.num_groups=2", "grid.min_world_size=3",
-                    WORKER_SLOT, "train.cpus_per_worker=0.25", "train.max_steps=10", "train.checkpoint_every=5",
-                    "data.eval=[]")
-    r = BackgroundJob(cfg).join(timeout=300)
-    assert r.status == "FINISHED", r.error
-    assert [a["world_size"] for a in r.attempts] == [4] and not r.events
-    client = mlflow_client(cfg)
-    assert [m.value for m in client.get_metric_history(r.run_id, "grid/world_size")] == [3]
-    assert [m.value for m in client.get_metric_history(r.run_id, "grid/num_groups")] == [1]
-    logs = read_row_logs(str(tmp_path / "rows"))
-    assert sorted(logs) == [(0, 0), (0, 1), (0, 2)]  # the worker sitting out trained no row
-    got, _ = row_audit(tmp_path / "rows")
-    want = planned_rows(cfg, 3, 10)
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[s], want[s]) for s in want)
-    # both checkpoints written (by the three) and reported to Ray Train (by all four)
-    written = sorted(p.parent.name for p in (tmp_path / "storage").rglob(".metadata"))
-    assert written == [checkpoint_name(5), checkpoint_name(10)], written
