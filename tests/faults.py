@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import os
+import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -75,6 +77,19 @@ class BackgroundJob:
         return self.result
 
 
+CHAOS_SEED_ENV = "RECGRID_CHAOS_SEED"
+
+
+def chaos_seed() -> int:
+    """The seed a chaos test draws whom and when to kill from: `RECGRID_CHAOS_SEED` when set (to
+    replay a failing run), else a new one. Printed either way (pytest shows it with a failure's
+    captured output), and the chaos tests name it in their failure messages."""
+    value = os.environ.get(CHAOS_SEED_ENV)
+    seed = int(value) if value else random.randrange(1 << 30)
+    print(f"chaos kill seed {seed} (replay: {CHAOS_SEED_ENV}={seed})", file=sys.stderr, flush=True)
+    return seed
+
+
 def training(st: dict, attempt: int, past_step: int = 0) -> bool:
     """Attempt `attempt` has all its workers registered and has trained past `past_step`."""
     return (len(st["attempts"]) > attempt and len(st["attempts"][attempt]["workers"]) == st["attempts"][attempt]["world_size"]
@@ -117,6 +132,23 @@ def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
         steps = np.concatenate(parts)[:, 0]
         redone[attempt] = int(sum(final[int(s)][0] != attempt for s in steps))
     return {s: ids for s, (_, ids) in final.items()}, redone
+
+
+def planned_rows(config: Any, workers: int, steps: int) -> dict[int, np.ndarray]:
+    """Step -> the sorted row ids the job's epoch plan gives `workers` workers at steps 1..`steps`
+    of its first epoch, from the start (what a job that never failed, or lost nothing, trains)."""
+    from recgrid.data.stream import scan_inputs
+    from recgrid.data.units import DataCursor, EpochPlan, take_rows
+
+    inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.train], config.dataset_spec())
+    plan = EpochPlan(inputs, config.train.seed, config.train.batch_size, config.data.rows_per_unit)
+    segment = plan.segment(DataCursor(), workers)
+    assert segment.steps_total >= steps, "the steps asked for run past the first epoch"
+    offsets = np.cumsum((0,) + inputs.rows)
+    B = config.train.batch_size
+    return {s: np.sort(np.concatenate([np.arange(offsets[u.file] + u.start, offsets[u.file] + u.end)
+                                       for part in segment.parts for u in take_rows(part, (s - 1) * B, B)]))
+            for s in range(1, steps + 1)}
 
 
 def mlflow_client(config: Any):

@@ -39,7 +39,7 @@ def sweep(tmp_path_factory, shared_ray):
     overrides = [f"data.train={tmp}/data/train/*.parquet", f"data.eval={tmp}/data/eval/*.parquet",
                  "data.synth_rows=6000", "data.synth_eval_rows=2000", "grid.world_size=2",
                  f"train.max_steps={STEPS}", "train.batch_size=64", "train.log_every=5", "train.eval_every=0",
-                 f"train.storage_path={tmp}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=test-compare"]
+                 "train.checkpoint_every=0", f"train.storage_path={tmp}/ray", f"tracking.tracking_uri={uri}", "tracking.experiment=test-compare"]
     variants = plan_sweep(DEMO, [1, 2], None, overrides)
     result = run_compare(variants, DEMO)
     from mlflow.tracking import MlflowClient

@@ -7,18 +7,21 @@ times restored from in-memory copies (no storage read), restored shards equal to
 bit for bit, the same rows trained at the same steps as the M=2 run that never failed (none
 skipped), at most K steps' worth trained twice per recovery, and the same final eval NE."""
 
+import collections
+import io
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from faults import BackgroundJob, row_audit, row_log_step, training
+from faults import CHAOS_SEED_ENV, BackgroundJob, chaos_seed, planned_rows, row_audit, row_log_step, training
 from recgrid.train import recovery
 from recgrid.config import load_config
 
@@ -46,12 +49,8 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     run of), a job that fails on a bad row and the chaos job, on the suite's shared
     local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
     logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
-    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store."""
-    import contextlib
-    import io
-
-    from recgrid.launch.ray import run_job
-
+    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store. They run side
+    by side, as jobs share a cluster, with the elastic sit-out job as a fourth."""
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
@@ -66,19 +65,31 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
     # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
     chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD])
-    seed = random.randrange(1 << 30)
+                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD, *SIDE_BY_SIDE])
+    # the chaos job's failure-free twin (which writes no storage checkpoint: it tests no restore)
+    twin_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
+    failed_cfg = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
+        "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
+        "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed",
+        *SIDE_BY_SIDE])
+    # the elastic sit-out job: T=4, M=2 (L=2) elastic down to 2, where only 3 of its workers fit
+    sit_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-sit-out", f"data.row_log={tmp}/rows-sit-out",
+                                  f"train.storage_path={tmp}/storage-sit-out", "grid.min_world_size=2",
+                                  f"train.resources_per_worker={{memory: {_room_for(3)}}}", "train.max_steps=10",
+                                  "train.checkpoint_every=5", "data.eval=[]", *SIDE_BY_SIDE])
+    seed = chaos_seed()  # whom and when to kill: replay a failing run with RECGRID_CHAOS_SEED
     kills = []
+    printed = _ThreadOutput(sys.stdout)
+    sys.stdout = printed
     try:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            m2 = run_job(_job(tmp, mlflow_server.url, 2, QR_HEAD))  # the chaos job's failure-free twin
-        print(printed.getvalue())
-        M2.update(printed=printed.getvalue(), server=mlflow_server)
-        failed = run_job(load_config(REPO / "jobs/local_demo.yaml", [
-            f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
-            "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
-            "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed"]))
+        # the jobs run side by side on the cluster (a job alone leaves the machine's cores idle
+        # while it waits on Ray: starting workers, detecting a death); the sit-out and chaos jobs
+        # start once the twin trains
+        twin = BackgroundJob(twin_cfg)
+        failed_job = BackgroundJob(failed_cfg)
+        twin.wait_for(lambda s: training(s, 0))  # it made the data the others read (once, alone)
+        sit_out = BackgroundJob(sit_cfg)
         rng = random.Random(seed)
         job = BackgroundJob(chaos_cfg)
         # each kill lands once the victim's row log shows step `at` (a step or so past it): the
@@ -92,12 +103,15 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
                 time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
-        chaos = job.join()
+        chaos, m2, failed, sat = job.join(), twin.join(), failed_job.join(), sit_out.join()
     finally:
+        sys.stdout = printed.out
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    M2.update(printed=printed.of(twin.thread), server=mlflow_server)
     CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,
                  rows=(tmp / "rows-M2", tmp / "rows-chaos"))
+    SIT_OUT.update(config=sit_cfg, result=sat, rows=tmp / "rows-sit-out", storage=tmp / "storage-sit-out")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -105,7 +119,38 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
 
 
 CHAOS: dict = {}
+SIT_OUT: dict = {}
 M2: dict = {}  # what the M=2 job printed, and the server it logged to
+
+
+def _room_for(workers: int) -> int:
+    """Bytes of Ray's `memory` resource per worker so that the cluster's node holds `workers` of
+    them (a logical resource: nothing else here asks for it), whatever its CPUs."""
+    import ray
+
+    return int(ray.cluster_resources()["memory"] / (workers + 0.5))
+# the jobs of `two_runs` run at once on the 3-CPU cluster (13 workers): a tenth of a CPU per worker
+# leaves Ray Data's read tasks of all of them room, and every attempt's start finds a read task's share free
+SIDE_BY_SIDE = ["train.cpus_per_worker=0.1"]
+
+
+class _ThreadOutput(io.TextIOBase):
+    """sys.stdout while jobs run side by side in threads: passed on, and kept per thread (what one
+    job printed, whole lines: each thread's writes in order)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.by_thread: dict[int, list[str]] = collections.defaultdict(list)
+
+    def write(self, text: str) -> int:
+        self.by_thread[threading.get_ident()].append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def of(self, thread: threading.Thread) -> str:
+        return "".join(self.by_thread[thread.ident])
 
 
 def test_m2_job_lands_in_mlflow(two_runs):
@@ -231,10 +276,15 @@ def chaos(two_runs):
     return client, CHAOS
 
 
+def _replay(c: dict) -> str:
+    """A chaos failure's message: the kill seed that replays it, and the kills it drew."""
+    return f"kill seed {c['seed']} (replay: {CHAOS_SEED_ENV}={c['seed']}), kills {c['kills']}"
+
+
 def test_chaos_job_finishes_in_one_run_with_two_peer_recoveries(chaos):
     client, c = chaos
     cfg, r = c["config"], c["result"]
-    note = f"random seed {c['seed']}, kills {c['kills']}"
+    note = _replay(c)
     assert r.status == "FINISHED", (r.error, note)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     assert len(client.search_runs([exp.experiment_id])) == 1  # restarts attach to the same run
@@ -286,11 +336,11 @@ def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):
         shards = e["shards"]
         assert len(shards) == T
         for s in shards:
-            assert s["digest"] == s["source_digest"]  # restored == the copy held in memory
+            assert s["digest"] == s["source_digest"], _replay(c)  # restored == the copy held in memory
             assert s["via"] == "shared memory"  # the node's slot file, mapped: no object-store copy
         for j in (0, 1):  # every member of a replica group holds the same bits
-            assert len({s["digest"] for s in shards if s["shard"] == j}) == 1
-        assert e["replicas_identical_after_sync"] is True
+            assert len({s["digest"] for s in shards if s["shard"] == j}) == 1, _replay(c)
+        assert e["replicas_identical_after_sync"] is True, _replay(c)
     # the holders' shared-memory slot files went with the job
     assert not os.path.exists(recovery._job_dir(c["result"].run_id))
 
@@ -300,17 +350,17 @@ def test_chaos_trains_every_row_once_but_the_rolled_back_steps(chaos):
     want, _ = row_audit(c["rows"][0])
     got, redone = row_audit(c["rows"][1])
     max_steps = c["config"].train.max_steps
-    assert sorted(got) == sorted(want) == list(range(1, max_steps + 1))
+    assert sorted(got) == sorted(want) == list(range(1, max_steps + 1)), _replay(c)
     restored = {e["step"] for e in c["result"].events}
     for step in want:  # the same rows at the same steps as the run that never failed: none skipped
         if step in restored and len(got[step]) == len(want[step]) - B:
             # the killed worker finished this step (its update is in the restored copy, which a
             # replica peer sent) but died before appending the step to its row log
-            assert np.isin(got[step], want[step]).all(), step
+            assert np.isin(got[step], want[step]).all(), (step, _replay(c))
             continue
-        assert np.array_equal(got[step], want[step]), step
+        assert np.array_equal(got[step], want[step]), (step, _replay(c))
     for attempt in (0, 1):  # rolled back and trained again: at most K steps of T x B rows
-        assert 0 <= redone[attempt] <= K * T * B, redone  # 0 when the kill came right after a snapshot
+        assert 0 <= redone[attempt] <= K * T * B, (redone, _replay(c))  # 0 when the kill came right after a snapshot
     print(f"chaos (seed {c['seed']}): kills {c['kills']}; restored at steps "
           f"{[e['step'] for e in c['result'].events]}; rows trained twice per recovery {redone} (limit {K * T * B})")
 
@@ -319,7 +369,7 @@ def test_chaos_quality_equals_the_run_without_failures(chaos):
     _, c = chaos
     base, r = c["baseline"], c["result"]
     assert base.status == "FINISHED" and not base.events
-    assert abs(r.metrics["eval/ne"] - base.metrics["eval/ne"]) <= 0.01
+    assert abs(r.metrics["eval/ne"] - base.metrics["eval/ne"]) <= 0.01, _replay(c)
     print(f"chaos eval NE {r.metrics['eval/ne']:.6f}, without failures {base.metrics['eval/ne']:.6f}")
     assert r.metrics["eval/examples"] == base.metrics["eval/examples"] == 8000
 
@@ -332,6 +382,30 @@ def test_chaos_survivors_were_restarted_by_ray_train(chaos):
     assert len(pids) == 3
     print(f"worker pids per attempt: {[sorted(p) for p in pids]}")
     assert not (pids[0] & pids[1]) and not (pids[1] & pids[2])
+
+
+# ---- elastic sit-out -------------------------------------------------------------------------------------
+def test_a_worker_past_the_last_whole_sharding_group_sits_out_and_joins_the_checkpoints(two_runs):
+    """T=4, M=2 (L=2), elastic down to 2, on a cluster with room for 3 of its workers: the attempt
+    gets 3, one whole sharding group of 2 trains (M'=1) and the third sits out. It trains nothing,
+    yet joins Ray Train's report of every storage checkpoint (the job would hang at the first one
+    otherwise) and the job's end; the two train exactly the rows the epoch plan gives two workers."""
+    from recgrid.train.checkpoint import checkpoint_name
+    from recgrid.train.worker import read_row_logs
+
+    client = two_runs[0]
+    cfg, r = SIT_OUT["config"], SIT_OUT["result"]
+    assert r.status == "FINISHED", r.error
+    assert [a["world_size"] for a in r.attempts] == [3] and not r.events
+    assert [m.value for m in client.get_metric_history(r.run_id, "grid/world_size")] == [2]
+    assert [m.value for m in client.get_metric_history(r.run_id, "grid/num_groups")] == [1]
+    assert sorted(read_row_logs(str(SIT_OUT["rows"]))) == [(0, 0), (0, 1)]  # the worker sitting out trained no row
+    got, _ = row_audit(SIT_OUT["rows"])
+    want = planned_rows(cfg, 2, cfg.train.max_steps)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[s], want[s]) for s in want)
+    # both checkpoints written (by the two) and reported to Ray Train (by all three)
+    written = sorted(p.parent.name for p in SIT_OUT["storage"].rglob(".metadata"))
+    assert written == [checkpoint_name(5), checkpoint_name(10)], written
 
 
 # ---- on the shared cluster, without a training job ----------------------------------------------------------
@@ -437,3 +511,127 @@ def test_a_restart_from_step_0_says_so_in_the_log_and_the_run(shared_ray, tmp_pa
         for actor in (control, coordinator):
             ray.kill(actor)
         tracker.finish()
+
+
+def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they_should(shared_ray, tmp_path):
+    """Three recovery paths on real actors (job control, the recovery coordinator and its holder)
+    and a one-rank gloo group in this process, the cheapest real form of each:
+    1. a node's holder without usable shared memory (here: refused its directory, which something
+       else made first; a missing or full /dev/shm takes the same path) keeps the shards in the
+       object store, and a restore from them is the trainer's state, bit for bit;
+    2. a slot file corrupted after it was written is caught by the checksum it was written with
+       before the restore uses it: the copy is dropped and the older complete generation restored,
+       and the log and the recovery event say so;
+    3. `train.resume_from`: a new run's first attempt loads another run's storage checkpoint and
+       continues at its step exactly as the run that wrote it continued."""
+    import uuid
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    from recgrid.config import defaults
+    from recgrid.data.specs import get_spec
+    from recgrid.engine.grid import Grid
+    from recgrid.launch.smoke import random_batches
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.control import JobControl
+    from recgrid.train.trainer import EngineConfig, Trainer
+
+    spec = get_spec("tiny")
+    engine = EngineConfig.from_job(defaults(), spec=spec, sync_every=2, seed=5, dense_optimizer="adam")
+    batches = [b for b, _ in zip(random_batches(spec, 32, seed=0), range(8))]
+    node = ray.get_runtime_context().get_node_id()
+    grid = Grid(1, 1)
+    actors, coordinators, planted = [], [], []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+
+    def run(snapshot_steps: list[int], run_id: str):
+        """A run's actors and a trainer trained to each of `snapshot_steps`, snapshotting there."""
+        control, coordinator = JobControl.remote(), recovery.RecoveryCoordinator.remote(run_id)
+        actors.extend([control, coordinator])
+        coordinators.append(coordinator)
+        attempt = ray.get(control.begin_attempt.remote(1))
+        trainer = Trainer.build(grid, engine, torch.device("cpu"))
+        said: list[str] = []
+        snapshotter = recovery.Snapshotter(trainer, coordinator, grid, trainer.groups, [node], attempt, 1,
+                                           say=said.append)
+        states = {}
+        for step in snapshot_steps:
+            trainer.run(iter(batches[trainer.state.step:step]), step)
+            snapshotter.snapshot()
+            states[step] = (trainer.snapshot(), trainer.dense_state())
+        snapshotter.close()
+        return control, coordinator, trainer, states, said
+
+    def restore(control, coordinator, resume_from=None):
+        attempt = ray.get(control.begin_attempt.remote(1))
+        fresh = Trainer.build(grid, engine, torch.device("cpu"))
+        said: list[str] = []
+        restored = recovery.Recovery(coordinator, control, grid, fresh.groups, [node], attempt).restore(
+            fresh, Checkpointer(every=0), None, resume_from, say=said.append)
+        events = ray.get(coordinator.status.remote())["events"]
+        return fresh, restored, said, events
+
+    def same(trainer, state) -> bool:
+        shard, dense = state
+        return all(torch.equal(x, y) for x, y in zip(trainer.shard_tensors(), shard.shard)) and \
+            all(torch.equal(v, trainer.dense_state()[k]) for k, v in dense.items())
+
+    trainers = []
+    try:
+        # 1. the object store
+        run_id = uuid.uuid4().hex
+        planted.append(recovery._job_dir(run_id))
+        os.mkdir(planted[0], 0o755)  # not the holder's own: refused, so no slot files
+        control, coordinator, a, states, said = run([2, 4], run_id)
+        trainers.append(a)
+        assert any("refusing this snapshot directory" in line and "object store" in line for line in said), said
+        holder = ray.get(coordinator.holder_for.remote(node))
+        assert ray.get(holder.files.remote()) == [] and isinstance(ray.get(holder.get.remote(4, "shard/0")), list)
+        fresh, restored, _, events = restore(control, coordinator)
+        trainers.append(fresh)
+        assert (restored.source, restored.step) == ("peer", 4) and same(fresh, states[4])
+        (shard,) = events[-1]["shards"]
+        assert shard["via"] == "object store" and shard["digest"] == shard["source_digest"]
+
+        # 2. a corrupted slot file
+        control, coordinator, b, states, _ = run([2, 4], uuid.uuid4().hex)
+        trainers.append(b)
+        holder = ray.get(coordinator.holder_for.remote(node))
+        slot = ray.get(holder.get.remote(4, "shard/0"))
+        assert isinstance(slot, dict)  # in shared memory this time
+        with open(slot["path"], "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0x01]))
+        fresh, restored, said, events = restore(control, coordinator)
+        trainers.append(fresh)
+        assert (restored.source, restored.step) == ("peer", 2) and same(fresh, states[2])  # the older generation
+        assert [c.split(":")[0] for c in events[-1]["corrupt"]] == [f"shard/0@4 on node {node[:12]}"]
+        assert any("corrupted copies dropped" in line and "shard/0@4" in line for line in said), said
+        assert events[-1]["shards"][0]["digest"] == events[-1]["shards"][0]["source_digest"]
+
+        # 3. train.resume_from: another run's checkpoint (b's, at step 4), then the same 4 steps as b
+        path = Checkpointer(root=str(tmp_path / "ckpt")).save(b)
+        want = [float(x) for x in b.run(iter(batches[4:8]), 8).losses]
+        control, coordinator = JobControl.remote(), recovery.RecoveryCoordinator.remote(uuid.uuid4().hex)
+        actors.extend([control, coordinator])
+        coordinators.append(coordinator)
+        resumed, restored, said, events = restore(control, coordinator, resume_from=path)
+        trainers.append(resumed)
+        assert (restored.source, restored.step, restored.detail) == ("resume", 4, path)
+        assert same(resumed, states[4]) and any(f"resuming from the checkpoint {path}" in line for line in said)
+        assert events[-1]["source"] == "resume" and len(ray.get(control.status.remote())["attempts"]) == 1
+        got = [float(x) for x in resumed.run(iter(batches[4:8]), 8).losses]
+        assert resumed.state.step == 8 and len(got) == 4 and max(abs(x - y) for x, y in zip(got, want)) <= 1e-6
+    finally:
+        for t in trainers:
+            t.close()
+        dist.destroy_process_group()
+        for c in coordinators:
+            ray.get(c.release.remote())
+        for actor in actors:
+            ray.kill(actor)
+        for p in planted:
+            os.rmdir(p)

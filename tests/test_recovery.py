@@ -125,12 +125,12 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
 
 
 # ---- snapshots and storage checkpoints on real gloo process groups -------------------------------------
-def _engine(grid, delayed=False, compression=None):
+def _engine(grid, delayed=False, compression=None, **overrides):
     from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
     return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto",
-                                 seed=5).with_compression(compression)
+                                 seed=5, **overrides).with_compression(compression)
 
 
 def _qr_heads(head_rows=32):
@@ -262,7 +262,14 @@ def save_or_load(src: str, phase: str, M: int, dst: str | None = None, head_rows
             return {"refused": str(e)}
         Checkpointer(root=dst).save(trainer)
     trainer.close()
-    return {"path": out, "step": trainer.state.step, "examples": trainer.state.examples}
+    return {"path": out, "step": trainer.state.step, "examples": trainer.state.examples, "lrs": _kernel_lrs(trainer)}
+
+
+def _kernel_lrs(trainer) -> list[float]:
+    """The learning rates the fused kernels apply: lr * sqrt(c) (`MomentScaledRowWiseAdagrad`)."""
+    from recgrid.engine.sync import embedding_kernels
+
+    return sorted({k.get_learning_rate() for k in embedding_kernels(trainer.model)})
 
 
 def _full_tables(checkpoint: str, tmp) -> dict:
@@ -288,7 +295,10 @@ def _flat(d, prefix=""):
 # ---- acceptance 5: written at T=4, M=2; resumed at T=4, M=1 and T=2, M=1 with the same weights ----------
 # (of a QR-compressed model with a head cache: its q, r and h tables reshard as any table)
 def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
-    saved = run_local(save_or_load, 4, str(tmp_path / "a"), "save", 2)[0]["path"]
+    written_at = run_local(save_or_load, 4, str(tmp_path / "a"), "save", 2)
+    saved = written_at[0]["path"]
+    lr = _engine(Grid(4, 2)).lr
+    assert [lr * 2 ** 0.5] * 4 == pytest.approx([x for r in written_at for x in r["lrs"]], rel=1e-6)  # c = M = 2
     written = sum(os.path.getsize(os.path.join(saved, f)) for f in os.listdir(saved))
     want = _full_tables(saved, tmp_path)
     table_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if "embedding_bags" in k)
@@ -305,10 +315,56 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
     for T in (4, 2):
         loaded = run_local(save_or_load, T, saved, "load", 1, str(tmp_path / f"t{T}m1"))
         assert all(r["step"] == 6 and r["examples"] == 777 for r in loaded)
+        # c re-derived for the new M: the checkpoint's optimizer state does not bring the old M's c back
+        assert [lr] * T == pytest.approx([x for r in loaded for x in r["lrs"]], rel=1e-6)
         got = _full_tables(str(tmp_path / f"t{T}m1" / "checkpoint_step_00000006"), tmp_path)
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k  # every table and moment, bit for bit
+
+
+def dense_roundtrip(root: str) -> dict:
+    """For the dense optimizers with state of their own (Adam: step and both moments) and without
+    (SGD): train 4 steps at T=2, M=2; a second trainer restored from this worker's snapshot and a
+    third from a storage checkpoint hold the same dense parameters and optimizer state bit for
+    bit, and the three take the same 2 more steps."""
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.trainer import Trainer
+
+    rank = dist.get_rank()
+    grid = Grid(dist.get_world_size(), 2)
+    batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(6))]
+    out = {}
+    for name in ("adam", "sgd"):
+        engine = _engine(grid, dense_optimizer=name)
+        a = Trainer.build(grid, engine, torch.device("cpu"))
+        a.run(iter(batches[:4]), 4)
+        snap, want = a.snapshot(), a.dense_state()
+        path = Checkpointer(root=f"{root}/{name}").save(a)
+        b = Trainer.build(grid, engine, torch.device("cpu"))
+        b.load_snapshot(snap, None)
+        c = Trainer.build(grid, engine, torch.device("cpu"))
+        Checkpointer().load(c, path)
+        got = {"snapshot": b.dense_state(), "checkpoint": c.dense_state()}
+        losses = [[float(x) for x in t.run(iter(batches[4:]), 6).losses] for t in (a, b, c)]
+        exact = {k: sorted(g) == sorted(want) and all(torch.equal(want[n], g[n]) for n in want) for k, g in got.items()}
+        out[name] = {"keys": sorted(want), "exact": exact,
+                     "states": sorted({n.rsplit("/", 1)[1] for n in want if n.startswith("optim/")}),
+                     "steps": [t.state.step for t in (a, b, c)], "losses": losses}
+        for t in (a, b, c):
+            t.close()
+    return out
+
+
+def test_adam_and_sgd_dense_state_survive_a_snapshot_and_a_checkpoint(tmp_path):
+    for r in run_local(dense_roundtrip, 2, str(tmp_path)):
+        assert r["adam"]["states"] == ["exp_avg", "exp_avg_sq", "step"]  # Adam's state is in both
+        assert r["sgd"]["states"] == [] and r["sgd"]["keys"]  # SGD: its parameters only
+        for name in ("adam", "sgd"):
+            assert r[name]["exact"] == {"snapshot": True, "checkpoint": True}, name
+            assert r[name]["steps"] == [6, 6, 6]
+            a, b, c = r[name]["losses"]
+            assert max(abs(x - y) for x, y in zip(a + a, b + c)) <= 1e-6, name
 
 
 class _Planted:
@@ -413,6 +469,47 @@ def test_holder_without_shared_memory_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path / "missing"))
     assert recovery.SnapshotHolderImpl("node-a", "run-1").reserve(5, "shard/0", 64) is None
+    # shared memory too full for a slot file and the margin it leaves: no slot either (the object store)
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
+    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    assert holder.root is not None and holder.reserve(5, "shard/0", 64) is not None  # room for a small one
+    free = recovery.shutil.disk_usage(holder.root).free
+    assert holder.reserve(5, "shard/1", free) is None and holder.allocate("shard/1", free) is None
+    assert [os.path.basename(f) for f in holder.files()] == ["shard-0.0", "shard-0.1"]
+    holder.close()
+
+
+def test_holder_checks_each_copy_against_the_checksum_it_was_written_with(tmp_path, monkeypatch):
+    """A slot file's bits changed after its commit (a corrupted copy) are caught by the checksum the
+    holder recorded at the commit: `verify` drops the copy, so the plan falls back to the older
+    complete generation; an intact copy passes."""
+    from recgrid.train import recovery
+
+    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
+    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    for step in (5, 10):
+        tensors = [torch.full((4, 3), float(step))]
+        layout, nbytes = recovery.shard_layout(tensors)
+        slot = holder.reserve(step, "shard/0", nbytes)
+        np.memmap(slot["path"], dtype=np.float32, mode="r+", shape=(12,))[:] = tensors[0].numpy().reshape(-1)
+        holder.commit(step, "shard/0", slot, layout)
+        holder.generations[step].update(dense=[None], progress=[None])  # the rest of a generation (not checked here)
+        assert holder.digest_of(step, "shard/0") == recovery.digest([t.numpy() for t in tensors])
+    assert holder.verify(10, ["shard/0"]) == {}
+    # a shard position that holds no row of some table (L=3 of tiny: (0, D) tensors) has a checksum too
+    assert recovery.digest([np.zeros((0, 16), np.float32), np.ones(2, np.float32)]) == \
+        recovery.digest([np.ones(2, np.float32)])
+    path = holder.get(10, "shard/0")["path"]
+    with open(path, "r+b") as f:  # one bit of the newest copy flips
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    bad = holder.verify(10, ["shard/0"])
+    assert list(bad) == ["shard/0"] and "shard/0@10 on node node-a" in bad["shard/0"]
+    assert holder.inventory() == {5: ["dense", "progress", "shard/0"], 10: ["dense", "progress"]}
+    assert recovery.plan_restore({"node-a": holder.inventory()}, 1, 1)["step"] == 5
+    holder.close()
 
 
 # ---- the snapshot files on a shared machine (issue 18) ----------------------------------------------------

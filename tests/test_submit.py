@@ -264,7 +264,8 @@ def submitted(cluster):
     args = ["jobs/local_demo.yaml", "--address", cluster.address,
             "--set", f"grid.world_size={T}", "--set", f"grid.num_groups={M}", "--set", f"grid.sync_every={K}",
             "--set", f"train.max_steps={STEPS}", "--set", "train.batch_size=64", "--set", "train.log_every=5",
-            "--set", "train.eval_every=15", "--set", f"train.storage_path={cluster.tmp / 'ray-runs'}",
+            "--set", "train.eval_every=15", "--set", "train.checkpoint_every=0",  # no restore is tested here
+            "--set", f"train.storage_path={cluster.tmp / 'ray-runs'}",
             "--set", f"data.train={data}/train/*.parquet", "--set", f"data.eval={data}/eval/*.parquet",
             "--set", "data.synth_rows=10000", "--set", "data.synth_eval_rows=2000",
             "--set", "tracking.experiment=test-submit"]

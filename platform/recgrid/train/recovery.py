@@ -57,6 +57,11 @@ Restore order, decided by global rank 0 and told to every worker (`Recovery.rest
   1. the newest complete in-memory generation: each worker takes its shard position from its
      own node's holder if it has one, else from a holder on another node (a peer sharding
      group's copy), and with delayed moment sync its own group's moments. No storage read.
+     A holder records each copy's checksum (`digest`) as it arrives, and before a restore uses a
+     generation its copies are checked against it: a copy whose bits changed since (a corrupted
+     slot file) is dropped, the log and the run's event say which, and the plan is made without it
+     (another node's copy, an older generation, else the next source below). After the load each
+     worker's restored shard is checked against the same checksum, bit for bit.
   2. else Ray Train's newest storage checkpoint (some shard has no surviving copy: M = 1 and a
      node lost, or a host holding whole replica groups in the host-local layout), and the log
      and the run say so. The choice comes from what the live holders report, not from the layout.
@@ -307,8 +312,8 @@ def digest(arrays: Sequence[np.ndarray]) -> str:
     """A checksum of the arrays' bytes (CRC-32 chained over them): equal iff bit-for-bit equal,
     for any practical purpose."""
     crc = 0
-    for a in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
+    for a in arrays:  # as bytes (an empty shard's (0, D) tensors included: a memoryview cast refuses those)
+        crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
     return f"{crc:08x}-{sum(int(a.nbytes) for a in arrays)}"
 
 
@@ -389,6 +394,8 @@ class SnapshotHolderImpl:
 
         self.node_id, self.run_id = node_id, run_id
         self.generations: dict[int, dict[str, Any]] = {}
+        # (step, key) -> the payload's checksum as it arrived (`digest`): a restore checks the copy against it
+        self.digests: dict[tuple[int, str], str] = {}
         self._lock = threading.Lock()  # the workers of a node put at once
         self.problem: str | None = None  # why this holder keeps no slot files (for the job's log)
         self.swept: list[str] = []
@@ -437,10 +444,12 @@ class SnapshotHolderImpl:
     def put(self, step: int, key: str, payload: Any) -> None:
         import ray
 
+        checksum = digest(_arrays(payload))  # of the bits as they arrived, before the copy
         payload = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
         with self._lock:
             if self._admit(step):
                 self.generations[step][key] = payload
+                self.digests[(step, key)] = checksum
 
     def reserve(self, step: int, key: str, nbytes: int) -> dict[str, Any] | None:
         """A shared-memory slot file of `nbytes` for `key` at generation `step`: the one of the
@@ -491,10 +500,13 @@ class SnapshotHolderImpl:
         return paths
 
     def commit(self, step: int, key: str, slot: dict[str, Any], layout: list) -> None:
-        """The writer finished the slot file it reserved: generation `step` now has `key`."""
+        """The writer finished the slot file it reserved: generation `step` now has `key`, and its
+        checksum as written (off the writer's clock: the writer waits for it only at its next snapshot)."""
+        checksum = digest(read_slot(slot["path"], layout))
         with self._lock:
             if step in self.generations:  # else dropped meanwhile (a restore went back before it)
                 self.generations[step][key] = {**slot, "layout": layout}
+                self.digests[(step, key)] = checksum
 
     def put_many(self, step: int, payload: dict[str, Any]) -> None:
         for key, value in payload.items():
@@ -521,8 +533,25 @@ class SnapshotHolderImpl:
         return read_slot(held["path"], held["layout"]) if isinstance(held, dict) else ray.get(held[0])
 
     def digest_of(self, step: int, key: str) -> str:
-        """The checksum of a held payload (for the restore's bit-for-bit check, off its clock)."""
-        return digest(_arrays(self._payload(step, key)))
+        """The checksum a held payload had when it arrived (the restore's bit-for-bit check of what it loaded)."""
+        return self.digests[(step, key)]
+
+    def verify(self, step: int, keys: Sequence[str]) -> dict[str, str]:
+        """Check the held copies of `keys` at generation `step` against the checksums they arrived
+        with; a copy whose bits changed since (a corrupted slot file) is dropped from the generation,
+        so no restore uses it. Returns {key: why} for the copies dropped."""
+        bad = {}
+        for key in keys:
+            if key not in self.generations.get(step, {}):
+                continue
+            got, want = digest(_arrays(self._payload(step, key))), self.digests.get((step, key))
+            if got != want:
+                bad[key] = f"{key}@{step} on node {self.node_id[:12]}: checksum {got}, {want} when it was written"
+        with self._lock:
+            for key in bad:
+                self.generations.get(step, {}).pop(key, None)
+                self.digests.pop((step, key), None)
+        return bad
 
     def drop_after(self, step: int) -> None:
         """Forget generations newer than `step` (the restore point): a restarted job writes them anew."""
@@ -544,6 +573,7 @@ class SnapshotHolderImpl:
         """Forget everything and delete the slot files (the job is over)."""
         with self._lock:
             self.generations.clear()
+            self.digests.clear()
             if self.root is not None:
                 shutil.rmtree(self.root, ignore_errors=True)
                 job_dir = os.path.dirname(self.root)
@@ -555,6 +585,8 @@ class SnapshotHolderImpl:
 
     def _drop(self, step: int) -> None:
         self.generations.pop(step, None)  # its slot files stay, for the next generation to reuse
+        for k in [k for k in self.digests if k[0] == step]:
+            del self.digests[k]
 
 
 def _arrays(payload: Any) -> list[np.ndarray]:
@@ -615,18 +647,36 @@ class RecoveryCoordinatorImpl:
     def restore_plan(self, group_size: int, num_groups: int) -> dict[str, Any]:
         """The newest generation the live holders together hold completely for a grid of L =
         `group_size` and M = `num_groups` (`plan_restore`), where each key is, and which keys no
-        live holder has (for the log when there is none)."""
+        live holder has (for the log when there is none). Every copy the plan names is first
+        checked against the checksum it arrived with (`SnapshotHolderImpl.verify`); a corrupted
+        one is dropped and the plan made again without it (another node's copy of the key, an
+        older generation, else none: the storage checkpoint). `corrupt` says what was dropped."""
         import ray
 
-        inventories: dict[str, dict[int, list[str]]] = {}
         lost: list[str] = []
-        for node, holder in list(self.holders.items()):
-            try:
-                inventories[node] = ray.get(holder.inventory.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - the node is gone, and its copies with it
-                lost.append(node)
-                del self.holders[node]
-        return plan_restore(inventories, group_size, num_groups, lost)
+        corrupt: list[str] = []
+        while True:
+            inventories: dict[str, dict[int, list[str]]] = {}
+            for node, holder in list(self.holders.items()):
+                try:
+                    inventories[node] = ray.get(holder.inventory.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - the node is gone, and its copies with it
+                    lost.append(node)
+                    del self.holders[node]
+            plan = plan_restore(inventories, group_size, num_groups, lost)
+            if plan["step"] is None:
+                break
+            keys: dict[str, list[str]] = {}
+            for key, nodes in [*plan["where"].items(), *plan["windows"].items()]:
+                for node in nodes:
+                    keys.setdefault(node, []).append(key)
+            found = ray.get([self.holders[n].verify.remote(plan["step"], ks) for n, ks in keys.items()], timeout=300)
+            bad = [why for f in found for why in f.values()]
+            if not bad:
+                break
+            corrupt += bad
+        plan["corrupt"] = corrupt
+        return plan
 
     def drop_after(self, step: int) -> None:
         import ray
@@ -885,7 +935,7 @@ class Recovery(_WorkerSide):
             "t_restore_start": t0, "t_restore_end": t0 + restore_s, "attempt": self.attempt, "source": d["source"], "step": restored.step, "failure_step": d.get("failure_step"),
             "restore_s": restore_s, "detail": detail, "num_groups": self.grid.num_groups,
             "world_size": self.grid.world_size, "missing": d.get("missing", []), "lost_nodes": d.get("lost_nodes", []),
-            "why": d.get("why", ""),
+            "corrupt": d.get("corrupt", []), "why": d.get("why", ""),
         }
         if d["source"] == "peer":
             t1 = time.time()
@@ -928,28 +978,32 @@ class Recovery(_WorkerSide):
             storage_checkpoint = ray.get(self.coordinator.latest_checkpoint.remote([storage_checkpoint]))
             plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size, self.grid.num_groups))
             stored_step = checkpoint_step(storage_checkpoint) if storage_checkpoint else None
+            corrupt = plan.get("corrupt") or []
+            dropped = (f"; corrupted copies dropped (their checksums changed since they were written): "
+                       f"{'; '.join(corrupt)}") if corrupt else ""
             if plan["step"] is not None and (stored_step is None or plan["step"] >= stored_step):
                 failure_step = max(failure_step, plan["step"])  # the job reached every snapshot it holds
                 nodes = len({n for ns in plan["where"].values() for n in ns})
                 return {"source": "peer", "plan": plan, "failure_step": failure_step, "lost_nodes": plan["lost_nodes"],
+                        "corrupt": corrupt,
                         "why": f"restoring step {plan['step']} from in-memory copies held on {nodes} node(s); "
-                               f"no storage read"}
+                               f"no storage read" + dropped}
             if storage_checkpoint:
                 lost = ", ".join(plan["lost_nodes"]) or "none"
                 missing = ", ".join(plan.get("missing") or []) or "none"
                 moments = any(k.startswith("moments") for k in plan.get("missing") or [])
                 return {"source": "storage", "path": storage_checkpoint, "failure_step": failure_step,
-                        "missing": plan.get("missing", []), "lost_nodes": plan["lost_nodes"],
+                        "missing": plan.get("missing", []), "lost_nodes": plan["lost_nodes"], "corrupt": corrupt,
                         "why": f"no complete in-memory copy survives (missing: {missing}; nodes lost: {lost})"
                                + ("; with delayed moment sync an exact restore needs every sharding group's own "
-                                  "optimizer states" if moments else "")
+                                  "optimizer states" if moments else "") + dropped
                                + f"; restoring from the storage checkpoint {storage_checkpoint}"}
             if len(status["attempts"]) > 1 and not resume_from:
                 held = ", ".join(map(str, plan.get("generations", []))) or "none"
                 missing = ", ".join(plan.get("missing") or []) or "none"
                 return {"source": "fresh", "failure_step": failure_step, "missing": plan.get("missing", []),
-                        "lost_nodes": plan["lost_nodes"],
-                        "why": f"no in-memory copy (generations held: {held}; newest misses: {missing}) and no "
+                        "lost_nodes": plan["lost_nodes"], "corrupt": corrupt,
+                        "why": f"no in-memory copy (generations held: {held}; newest misses: {missing}){dropped} and no "
                                f"storage checkpoint survives"
                                + (f" (none written yet: the first is at step {checkpoint_every})" if checkpoint_every
                                   else " (train.checkpoint_every is 0: the job writes none)")
@@ -1004,7 +1058,8 @@ class Recovery(_WorkerSide):
         return out
 
     def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, Any]) -> dict[str, Any]:
-        """This worker's restored shard checksum beside the holder copy's: bit for bit or an error.
+        """This worker's restored shard checksum beside the one the holder's copy was written with:
+        bit for bit or an error.
         With delayed moment sync, two checks: the weights against the position copy, and both the
         optimizer states and the relaunched average's input against this group's moments copy
         (`digest` and `source_digest` then join the two checksums with "+")."""
