@@ -15,9 +15,19 @@ logging intervals before the kill but the first (which holds start-up; its snaps
 reported apart). Each sending worker's snapshot is one copy of its shard into a shared-memory
 slot file its node's holder owns (train/recovery.py).
 
-Writes bench/results/recovery.json (configuration, machine, figures) and prints it.
+The `torchft` source (train.fault_tolerance=torchft, issue 15) runs the same shape with one
+worker SIGKILLed; the other sharding group keeps training. Its seconds from the kill are
+  detection   -> Ray Train's controller sees the failure
+  replacement -> the replacement worker's training function starts (Ray starts a worker: a
+                 process, torch, TorchRec)
+  heal        -> the rebuilt group has received a live peer group's state
+  first_step  -> the rebuilt group's first committed step (the issue's figure: `total`)
+and the surviving group's QPS during the recovery against as long a span before the failure.
 
-    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--out PATH]
+Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
+sources only keeps the other sources' figures already in the file.
+
+    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--sources peer,storage,torchft] [--out PATH]
 """
 
 from __future__ import annotations
@@ -121,6 +131,60 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_stor
     return figures
 
 
+def run_torchft_case(tmp: Path, model: str, kill_after_step: int) -> dict:
+    """One T=4, M=2 torchft job: rank 1 killed once the job passed `kill_after_step`, stopped
+    gracefully ten steps after the rebuilt group's first committed step."""
+    from recgrid.config import load_config
+    from recgrid.launch.ray import run_job
+
+    overrides = [
+        f"data.train={tmp}/data/{model}/train/*.parquet", f"data.eval=[]", "data.synth_rows=120000",
+        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5", "train.fault_tolerance=torchft",
+        "train.max_steps=100000", "train.batch_size=128", "train.log_every=5", "train.max_failures=1",
+        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
+        *MODELS[model],
+    ]
+    config = load_config(REPO / "jobs/local_demo.yaml", overrides)
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
+    job.start()
+    kill, stopped = None, False
+    while job.is_alive():
+        c = box.get("c")
+        st = c.status() if c is not None else None
+        if st and kill is None and st["last_step"] >= kill_after_step:
+            victim = {r: w for a in st["attempts"] for r, w in a["workers"].items()}[1]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
+        events = [e for e in st["events"] if "seconds" in e] if st else []
+        if events and not stopped and st["last_step"] >= events[0]["step"] + 10:
+            ray_get_stop(c)
+            stopped = True
+        time.sleep(0.05)
+    job.join()
+    result = box["result"]
+    events = [e for e in result.events if "seconds" in e]
+    if result.status != "FINISHED" or not events:
+        raise RuntimeError(f"{model}/torchft: the job did not recover: {result.status} {result.error}")
+    e = events[0]
+    seconds = {"detection": e["t_failure_detected"] - kill["time"],
+               "replacement": e["t_attempt_start"] - e["t_failure_detected"],
+               "heal": e["t_heal"] - e["t_attempt_start"], "first_step": e["t_first_step"] - e["t_heal"],
+               "total": e["t_first_step"] - kill["time"]}
+    return {"kill_step": kill["step"], "healed_at_step": e["step"], "steps_lost": e["steps_lost"],
+            "source": e["source"], "bit_identical": e.get("bit_identical"),
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "kept_training": e["kept_training"], "survivors_steps_during": e["survivors_steps"],
+            "survivors_qps_during": round(e["survivors_qps"], 1),
+            "survivors_qps_before": round(e["survivors_qps_before"], 1)}
+
+
+def ray_get_stop(actors) -> None:
+    import ray
+
+    ray.get(actors.control.request_stop.remote())
+
+
 def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
     """Seconds in the snapshot phase per step over the step time, from the run's intervals that
     ended before the kill (the slowest worker's, as the job waits for it)."""
@@ -145,6 +209,7 @@ def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,1gb")
+    ap.add_argument("--sources", default="peer,storage,torchft")
     ap.add_argument("--kill-after-step", type=int, default=41,
                     help="kill once the job passed this step (the snapshot overhead is measured over the intervals before it)")
     ap.add_argument("--warm-storage", action="store_true",
@@ -163,12 +228,15 @@ def main() -> None:
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
     ray.init(num_cpus=3, runtime_env={"env_vars": {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}},
              logging_level="WARNING")
-    results: dict = {}
+    old = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
+    results: dict = old.get("results", {})
     try:
         for model in a.models.split(","):
-            for source in ("peer", "storage"):
+            for source in a.sources.split(","):
                 print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
-                results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step, not a.warm_storage)
+                results.setdefault(model, {})[source] = (
+                    run_torchft_case(tmp, model, a.kill_after_step) if source == "torchft"
+                    else run_case(tmp, model, source, a.kill_after_step, not a.warm_storage))
                 print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
@@ -184,6 +252,7 @@ def main() -> None:
         "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
                           "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
                           "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
+                          "torchft": "train.fault_tolerance=torchft: the other sharding group keeps training",
                           "storage_read": "warm (page cache)" if a.warm_storage else "cold (checkpoint dropped from the page cache after the kill)",
                           "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
         "machine": machine_info(),
