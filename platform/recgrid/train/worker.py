@@ -651,14 +651,17 @@ class ReplicaReport:
         history = others[kept[0]]["history"]  # every live group commits the same rounds
         rows_per_step = self.job.loop.batch_size * self.job.group_size * len(kept)
 
-        def steps(t0: float, t1: float) -> int:
-            inside = [step for t, step in history if t0 <= t <= t1]
-            return inside[-1] - inside[0] if len(inside) > 1 else 0
+        def commits(t0: float, t1: float) -> list[tuple[float, int]]:
+            return [(t, step) for t, step in history if t0 <= t <= t1]
 
         span = max(now - since, 1e-9)
-        during, before = steps(since, now), steps(since - span, since)
-        out.update(survivors_steps=during, survivors_qps=during * rows_per_step / span,
-                   survivors_qps_before=before * rows_per_step / span)
+        during = commits(since, now)
+        steps = during[-1][1] - during[0][1] if len(during) > 1 else 0
+        # before: over the commits of as long a span before the failure (not the start-up before the first one)
+        before = commits(since - span, since)
+        qps_before = ((before[-1][1] - before[0][1]) * rows_per_step / (before[-1][0] - before[0][0])
+                      if len(before) > 1 and before[-1][0] > before[0][0] else 0.0)
+        out.update(survivors_steps=steps, survivors_qps=steps * rows_per_step / span, survivors_qps_before=qps_before)
         return out
 
     def _log_events(self, step: int) -> None:
