@@ -49,6 +49,8 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `recovery/seconds` | seconds from the failure being detected (or the worker group being resized) to the first step after the restore |
 | `recovery/steps_lost` | steps trained before the failure that the restore rolled back (at most K with snapshots at every sync) |
 | tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per restore: `peer` or `storage`, the sentence the log printed, and where the shards or the checkpoint came from |
+| `recovery/survivors_qps`, `recovery/survivors_qps_before`, `recovery/survivors_steps` | torchft: the QPS of the sharding groups that kept training while the failed group was rebuilt, their QPS over as long a span before the failure, and the steps they took meanwhile |
+| tag `recovery/kept_training/<n>` | torchft: the sharding groups that kept training through recovery n |
 
 The `lookup` phase includes the all-to-all, so a fast worker's wait for the slowest one is
 charged to its lookup time and pulls the ratio toward 1; to see the raw per-worker kernel
