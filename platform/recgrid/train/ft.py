@@ -121,9 +121,6 @@ class ShardingGroupStoresImpl:
             cur["members"][shard] = pid
             return {"host": self.host, "port": cur["store"].port, "generation": cur["generation"]}
 
-    def status(self) -> dict[int, dict[str, Any]]:
-        return {g: {"generation": c["generation"], "members": dict(c["members"])} for g, c in self.current.items()}
-
 
 ShardingGroupStores = LazyActor(ShardingGroupStoresImpl)
 
@@ -180,12 +177,12 @@ class ShardingGroup:
         if self.size == 1:
             return False
         mates = [m for m in range(self.size) if m != self.shard]
-        last = {m: (self._beats(m), time.monotonic()) for m in mates}
+        last = {m: (mate_beats(self._store, m), time.monotonic()) for m in mates}
         deadline = time.monotonic() + MATE_TIMEOUT_S + 2 * MATE_BEAT_S
         while not self.mate_lost.wait(MATE_BEAT_S / 2):
             now = time.monotonic()
             for m in mates:
-                n = self._beats(m)
+                n = mate_beats(self._store, m)
                 if n != last[m][0]:
                     last[m] = (n, now)
                 elif now - last[m][1] > MATE_SILENT_S:
@@ -194,11 +191,6 @@ class ShardingGroup:
                 return False
         return True
 
-    def _beats(self, mate: int) -> int:
-        """Group-mate `mate`'s beats so far (-1 once it has left)."""
-        if self._store.add(f"left/{mate}", 0):
-            return -1
-        return self._store.add(f"beat/{mate}", 0)
 
     def leave(self) -> None:
         """Stop beating and watching (the group-mates stop expecting this worker's beats)."""
@@ -219,9 +211,9 @@ class ShardingGroup:
                 store.add(f"beat/{self.shard}", 1)
                 now = time.monotonic()
                 for mate in range(self.size):
-                    if mate == self.shard or store.add(f"left/{mate}", 0):
+                    n = mate_beats(store, mate) if mate != self.shard else -1
+                    if n < 0:
                         continue
-                    n = store.add(f"beat/{mate}", 0)
                     if mate not in seen or seen[mate][0] != n:
                         seen[mate] = (n, now)
                     elif n and now - seen[mate][1] > MATE_TIMEOUT_S:
@@ -239,6 +231,13 @@ class ShardingGroup:
             store.add(f"left/{self.shard}", 1)
         except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
             return
+
+
+def mate_beats(store: Any, mate: int) -> int:
+    """Group-mate `mate`'s beats so far in a generation's store (-1 once it has left)."""
+    if store.add(f"left/{mate}", 0):
+        return -1
+    return store.add(f"beat/{mate}", 0)
 
 
 def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tuple[Any, Any]:
