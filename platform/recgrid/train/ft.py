@@ -329,6 +329,10 @@ class TorchftReplicas(Replicas):
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
 
     def start_round(self) -> str:
+        # torchft's manager server waits for every worker of the group at a quorum and a commit vote, and a
+        # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
+        # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
+        self._group_meets()
         self.manager.start_quorum()  # heals this replica here when it is behind
         live = self.manager.num_participants()
         t = self.trainer
@@ -363,6 +367,7 @@ class TorchftReplicas(Replicas):
             if job is not None:
                 job()
         # a group-mate that died before it voted would hold the vote until the manager's timeout
+        self._group_meets()
         committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
         self._tables = tables if committed else None
         if not committed:
@@ -390,6 +395,15 @@ class TorchftReplicas(Replicas):
     @property
     def workers(self) -> int:
         return (self.live or 1) * self.group_size
+
+    def _group_meets(self) -> None:
+        """Every worker of the sharding group is here (a barrier over its process group, on the
+        trainer's device: NCCL takes no CPU tensors); raises if a group-mate died."""
+        import torch
+        import torch.distributed as dist
+
+        if self.group_size > 1:
+            dist.all_reduce(torch.zeros(1, device=self.trainer.device))
 
     def reduce(self, **states: Any) -> dict[str, float]:
         live = self.live or 1

@@ -228,6 +228,14 @@ def train_replica(cfg: dict) -> None:
     ray.get(control.register.remote(attempt, rank, os.getpid(), ray.get_runtime_context().get_node_id()))
     status = ray.get(control.status.remote())
     replacement = any(rank in a["workers"] for a in status["attempts"][:attempt])
+    if coords.shard_rank == 0 and job.run_id and not replacement:
+        # this worker takes over the MLflow logging if the logging group fails: MLflow's import (a second
+        # or more) then does not hold up its group's next step while it trains on alone (a replacement
+        # skips it: its start is the recovery's critical path)
+        import importlib
+        import threading
+
+        threading.Thread(target=importlib.import_module, args=("mlflow.tracking",), daemon=True).start()
     attempt_info = status["attempts"][attempt]
     while True:
         broke_at = _train_sharding_group(job, coords, device, attempt, attempt_info, replacement)
@@ -285,6 +293,9 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
     except Exception as e:  # noqa: BLE001 - a group-mate's death, or re-raised
         broke_at = time.time()
         replica_pg.abort()  # the other groups' collectives with this worker fail now, not at their timeout
+        # the group's manager server stops beating to the lighthouse now: with M = 2 the live group's
+        # quorum waits while a second group beats (torchft's split-brain rule: more than half must join)
+        manager.shutdown(wait=False)
         if not group.broke(e):
             raise
         seen = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
