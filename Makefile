@@ -50,6 +50,7 @@ bench: install
 	$(BIN)/python bench/calibrate_cpu.py
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/node_loss.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/towers.py
 	$(BIN)/python bench/compression.py

@@ -22,7 +22,10 @@ worker SIGKILLed; the other sharding group keeps training. Its seconds from the 
                  process, torch, TorchRec)
   heal        -> the rebuilt group has received a live peer group's state
   first_step  -> the rebuilt group's first committed step (the issue's figure: `total`)
-and the surviving group's QPS during the recovery against as long a span before the failure.
+and the surviving group's QPS during the recovery against as long a span before the failure, at
+T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the final eval NE of a
+fixed-length torchft job with one worker killed against the failure-free run of the same seed, for
+each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`).
 
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
 sources only keeps the other sources' figures already in the file.
@@ -131,20 +134,74 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_stor
     return figures
 
 
-def run_torchft_case(tmp: Path, model: str, kill_after_step: int) -> dict:
-    """One T=4, M=2 torchft job: rank 1 killed once the job passed `kill_after_step`, stopped
-    gracefully ten steps after the rebuilt group's first committed step."""
+def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: int = 4, num_groups: int = 2) -> dict:
+    """One torchft job of `world_size` workers in `num_groups` sharding groups: rank 1 killed once
+    the job passed `kill_after_step`, stopped gracefully ten steps after the rebuilt group's first
+    committed step."""
+    overrides = [f"grid.world_size={world_size}", f"grid.num_groups={num_groups}", "train.max_steps=100000",
+                 "train.max_failures=1", "data.eval=[]",
+                 # the 3 logical CPUs of the bench's cluster, less a Ray Data read task's quarter
+                 f"train.cpus_per_worker={min(0.5, 0.25 * (10 // world_size))}"]
+    result, kill = _torchft_job(tmp, model, overrides, kill_after_step, stop_after_recovery=10)
+    events = [e for e in result.events if "seconds" in e]
+    if result.status != "FINISHED" or not events:
+        raise RuntimeError(f"{model}/torchft: the job did not recover: {result.status} {result.error}")
+    e = events[0]
+    seconds = {"detection": e["t_failure_detected"] - kill["time"],
+               "replacement": e["t_attempt_start"] - e["t_failure_detected"],
+               "heal": e["t_heal"] - e["t_attempt_start"], "first_step": e["t_first_step"] - e["t_heal"],
+               "total": e["t_first_step"] - kill["time"]}
+    return {"world_size": world_size, "num_groups": num_groups, "kill_step": kill["step"],
+            "healed_at_step": e["step"], "steps_lost": e["steps_lost"],
+            "source": e["source"], "bit_identical": e.get("bit_identical"),
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            # no survivor figures: no other group committed a step between the failure and this one
+            "kept_training": e["kept_training"], "survivors_steps_during": e.get("survivors_steps", 0),
+            "survivors_qps_during": round(e.get("survivors_qps", 0.0), 1),
+            "survivors_qps_before": round(e.get("survivors_qps_before", 0.0), 1)}
+
+
+def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int, seeds: int) -> dict:
+    """Final eval NE of torchft jobs with one worker killed against the failure-free runs of the same
+    seeds, and the failure-free runs' spread over the seeds (the seed noise): T=4, M=2, `steps`
+    steps each, 8,000 eval rows."""
+    import statistics
+
+    evaluate = [f"data.eval={tmp}/data/{model}/eval/*.parquet", "data.synth_eval_rows=8000",
+                f"train.max_steps={steps}", "train.max_failures=1", "train.eval_every=0"]
+    free, killed = {}, {}
+    for seed in range(seeds):
+        result, _ = _torchft_job(tmp, model, [*evaluate, f"train.seed={seed}"], None)
+        free[seed] = result.metrics["eval/ne"]
+        result, kill = _torchft_job(tmp, model, [*evaluate, f"train.seed={seed}"], kill_after_step)
+        if result.status != "FINISHED" or not [e for e in result.events if "seconds" in e]:
+            raise RuntimeError(f"{model}/torchft quality: the job did not recover: {result.status} {result.error}")
+        killed[seed] = result.metrics["eval/ne"]
+    diffs = [killed[k] - free[k] for k in free]
+    noise = statistics.stdev(free.values()) if seeds > 1 else float("nan")
+    mean_diff = statistics.fmean(diffs)
+    return {"steps": steps, "kill_after_step": kill_after_step, "seeds": seeds,
+            "eval_ne_failure_free": {str(k): round(v, 5) for k, v in free.items()},
+            "eval_ne_with_kill": {str(k): round(v, 5) for k, v in killed.items()},
+            "difference_per_seed": [round(d, 5) for d in diffs], "mean_difference": round(mean_diff, 5),
+            "seed_stdev_failure_free": round(noise, 5), "within_2_seed_stdev": abs(mean_diff) <= 2 * noise}
+
+
+def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: int | None,
+                 stop_after_recovery: int | None = None) -> tuple:
+    """Run one torchft job (T=4 M=2 unless `overrides` say otherwise), killing rank 1 once it
+    passed `kill_after_step` (None: no kill); with `stop_after_recovery`, stop it that many steps
+    after the rebuilt group's first committed step. Returns (JobResult, the kill)."""
     from recgrid.config import load_config
     from recgrid.launch.ray import run_job
 
-    overrides = [
-        f"data.train={tmp}/data/{model}/train/*.parquet", f"data.eval=[]", "data.synth_rows=120000",
+    config = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={tmp}/data/{model}/train/*.parquet", "data.synth_rows=120000",
         "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5", "train.fault_tolerance=torchft",
-        "train.max_steps=100000", "train.batch_size=128", "train.log_every=5", "train.max_failures=1",
+        "train.batch_size=128", "train.log_every=5",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
-        *MODELS[model],
-    ]
-    config = load_config(REPO / "jobs/local_demo.yaml", overrides)
+        *MODELS[model], *overrides,
+    ])
     box: dict = {}
     job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
     job.start()
@@ -155,31 +212,18 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int) -> dict:
             st = c.status() if c is not None else None
         except Exception:  # noqa: BLE001 - the job ended between two polls: its actors are gone
             continue
-        if st and kill is None and st["last_step"] >= kill_after_step:
+        if st and kill_after_step is not None and kill is None and st["last_step"] >= kill_after_step:
             victim = {r: w for a in st["attempts"] for r, w in a["workers"].items()}[1]["pid"]
             os.kill(victim, signal.SIGKILL)
             kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
         events = [e for e in st["events"] if "seconds" in e] if st else []
-        if events and not stopped and st["last_step"] >= events[0]["step"] + 10:
+        if stop_after_recovery is not None and events and not stopped and \
+                st["last_step"] >= events[0]["step"] + stop_after_recovery:
             ray_get_stop(c)
             stopped = True
         time.sleep(0.05)
     job.join()
-    result = box["result"]
-    events = [e for e in result.events if "seconds" in e]
-    if result.status != "FINISHED" or not events:
-        raise RuntimeError(f"{model}/torchft: the job did not recover: {result.status} {result.error}")
-    e = events[0]
-    seconds = {"detection": e["t_failure_detected"] - kill["time"],
-               "replacement": e["t_attempt_start"] - e["t_failure_detected"],
-               "heal": e["t_heal"] - e["t_attempt_start"], "first_step": e["t_first_step"] - e["t_heal"],
-               "total": e["t_first_step"] - kill["time"]}
-    return {"kill_step": kill["step"], "healed_at_step": e["step"], "steps_lost": e["steps_lost"],
-            "source": e["source"], "bit_identical": e.get("bit_identical"),
-            "seconds": {k: round(v, 3) for k, v in seconds.items()},
-            "kept_training": e["kept_training"], "survivors_steps_during": e["survivors_steps"],
-            "survivors_qps_during": round(e["survivors_qps"], 1),
-            "survivors_qps_before": round(e["survivors_qps_before"], 1)}
+    return box["result"], kill
 
 
 def ray_get_stop(actors) -> None:
@@ -218,6 +262,12 @@ def main() -> None:
     ap.add_argument("--warm-storage", action="store_true",
                     help="leave the checkpoint in the page cache (default: drop it after the kill, so the storage "
                          "restore reads storage, as a replacement node would)")
+    ap.add_argument("--torchft-shapes", default="4x2,6x3",
+                    help="T x M of the torchft jobs (the first is reported as `torchft`, the others as `torchft_T<T>_M<M>`)")
+    ap.add_argument("--quality-seeds", type=int, default=3,
+                    help="torchft: failure-free runs (seeds 0..N-1) the killed run's final eval NE is set against "
+                         "(0: skip); tiny model only")
+    ap.add_argument("--quality-steps", type=int, default=300)
     ap.add_argument("--out", default=str(REPO / "bench/results/recovery.json"))
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (runs, checkpoints, MLflow store: about 10 GB for the 1 GB model)")
@@ -233,36 +283,58 @@ def main() -> None:
              logging_level="WARNING")
     old = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     results: dict = old.get("results", {})
+
+    def save() -> dict:
+        """Write what has been measured so far (a case that fails keeps the ones before it)."""
+        for r in results.values():
+            if "peer" in r and "storage" in r:
+                r["peer_over_storage_restore"] = round(r["peer"]["seconds"]["restore"] / r["storage"]["seconds"]["restore"], 4)
+        out = {
+            "benchmark": "recovery",
+            "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
+                              "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
+                              "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
+                              "torchft": "train.fault_tolerance=torchft: the other sharding groups keep training "
+                                         "(T x M: each result's world_size and num_groups)",
+                              "storage_read": "warm (page cache)" if a.warm_storage else "cold (checkpoint dropped from the page cache after the kill)",
+                              "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
+            "machine": machine_info(),
+            "results": results,
+        }
+        write_result(a.out, out)
+        return out
+
     try:
         for model in a.models.split(","):
             for source in a.sources.split(","):
-                print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
-                results.setdefault(model, {})[source] = (
-                    run_torchft_case(tmp, model, a.kill_after_step) if source == "torchft"
-                    else run_case(tmp, model, source, a.kill_after_step, not a.warm_storage))
-                print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
+                if source != "torchft":
+                    print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
+                    results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step,
+                                                                     not a.warm_storage)
+                    print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
+                    save()
+                    continue
+                for i, shape in enumerate(x for x in a.torchft_shapes.split(",") if x):
+                    t, m = (int(x) for x in shape.split("x"))
+                    key = "torchft" if i == 0 else f"torchft_T{t}_M{m}"
+                    print(f"[bench] {model}: torchft, T={t} M={m}, one worker killed ...", file=sys.stderr, flush=True)
+                    results.setdefault(model, {})[key] = run_torchft_case(tmp, model, a.kill_after_step, t, m)
+                    print(json.dumps(results[model][key]), file=sys.stderr, flush=True)
+                    save()
+                if model == "tiny" and a.quality_seeds:
+                    print(f"[bench] {model}: torchft, final eval NE with a kill against {a.quality_seeds} failure-free "
+                          f"seeds ...", file=sys.stderr, flush=True)
+                    results[model]["torchft_quality"] = run_torchft_quality(tmp, model, a.kill_after_step,
+                                                                            a.quality_steps, a.quality_seeds)
+                    print(json.dumps(results[model]["torchft_quality"]), file=sys.stderr, flush=True)
+                    save()
     finally:
         ray.shutdown()
         if a.keep:
             print(f"[bench] kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    for model, r in results.items():
-        if "peer" in r and "storage" in r:
-            r["peer_over_storage_restore"] = round(r["peer"]["seconds"]["restore"] / r["storage"]["seconds"]["restore"], 4)
-    out = {
-        "benchmark": "recovery",
-        "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
-                          "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
-                          "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
-                          "torchft": "train.fault_tolerance=torchft: the other sharding group keeps training",
-                          "storage_read": "warm (page cache)" if a.warm_storage else "cold (checkpoint dropped from the page cache after the kill)",
-                          "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
-        "machine": machine_info(),
-        "results": results,
-    }
-    write_result(a.out, out)
-    print(json.dumps(out, indent=2))
+    print(json.dumps(save(), indent=2))
 
 
 if __name__ == "__main__":

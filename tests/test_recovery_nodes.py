@@ -25,6 +25,7 @@ shows every Ray Data read task of the run ran there; the run has Ray Data's exec
 
 import json
 import math
+import time
 
 import pytest
 
@@ -141,10 +142,16 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
     workers = {n.node_id for n in cluster["nodes"]}
     assert {w["node"] for w in r.attempts[0]["workers"].values()} == workers  # two on each worker node, none on the head
 
-    reads = [t for t in list_tasks(cluster["cluster"].address, filters=[("type", "=", "NORMAL_TASK")], limit=10_000,
-                                     detail=True, timeout=30)
-             # a read task the stream submitted but cancelled when training ended was never placed (node None)
-             if "ReadUnits" in t.name and t.node_id is not None]
+    def placed_reads() -> list:
+        return [t for t in list_tasks(cluster["cluster"].address, filters=[("type", "=", "NORMAL_TASK")], limit=10_000,
+                                      detail=True, timeout=30)
+                # a read task the stream submitted but cancelled when training ended was never placed (node None)
+                if "ReadUnits" in t.name and t.node_id is not None]
+
+    # workers report their task events to the GCS every second or so: the last ones may arrive after the job
+    deadline = time.time() + 15
+    while len(reads := placed_reads()) < 8 and time.time() < deadline:
+        time.sleep(0.5)
     # 4 training streams and 4 evaluation streams, each at least one read task
     assert len(reads) >= 8, [t.name for t in reads]
     assert {t.node_id for t in reads} == {head}  # the worker nodes had no CPU left for them

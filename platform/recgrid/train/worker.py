@@ -228,17 +228,13 @@ def train_replica(cfg: dict) -> None:
     ray.get(control.register.remote(attempt, rank, os.getpid(), ray.get_runtime_context().get_node_id()))
     status = ray.get(control.status.remote())
     replacement = any(rank in a["workers"] for a in status["attempts"][:attempt])
-    if coords.shard_rank == 0 and job.run_id and not replacement:
-        # this worker takes over the MLflow logging if the logging group fails: MLflow's import (a second
-        # or more) then does not hold up its group's next step while it trains on alone (a replacement
-        # skips it: its start is the recovery's critical path)
-        import importlib
-        import threading
-
-        threading.Thread(target=importlib.import_module, args=("mlflow.tracking",), daemon=True).start()
     attempt_info = status["attempts"][attempt]
+    # this worker takes over the MLflow logging if the logging group fails: its tracker is attached
+    # ahead (MLflow's import and store: a second or more), so the takeover does not hold up the group
+    # while it trains on alone (a replacement skips it: its start is the recovery's critical path)
+    tracker = WarmTracker(job.run_id, job.tracking_uri, coords.shard_rank == 0 and not replacement)
     while True:
-        broke_at = _train_sharding_group(job, coords, device, attempt, attempt_info, replacement)
+        broke_at = _train_sharding_group(job, coords, device, attempt, attempt_info, replacement, tracker)
         if broke_at is None:
             return
         # rebuilt in place: this worker's next generation of the group counts as a recovery from `broke_at`
@@ -246,7 +242,7 @@ def train_replica(cfg: dict) -> None:
 
 
 def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int, attempt_info: dict[str, Any],
-                          replacement: bool) -> float | None:
+                          replacement: bool, tracker: "WarmTracker") -> float | None:
     """One generation of this worker's sharding group: join, build, train to the end (None), or
     until a group-mate dies (the time this worker saw its group break; every handle built with
     the dead worker is dropped)."""
@@ -262,6 +258,14 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
     # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group)
     trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, pipeline=False)
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
+    report = ReplicaReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
+                           metrics_exporter(job, rank), before, tracker)
+    # every global rank owns a part of each epoch, live or not, with its sharding group's cursor;
+    # the evaluating group reads every eval row over its L workers
+    data, eval_data = _data(job, rank, world, s, L, device)
+    rows = RowLog(job.row_log, attempt, rank) if job.row_log else None
+    # the manager last: its server beats to the lighthouse from here, and while a group beats without
+    # asking for a quorum, a lone live group of M = 2 cannot form one (torchft's split-brain rule)
     manager, replica_pg = make_manager(heal, group, device)
 
     def mate_lost() -> None:  # the other groups' collectives with this worker fail now; a quorum it waits in ends
@@ -273,13 +277,7 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
                                         f"generation@{time.time():.3f}": group.generation})
     if not replacement:
         _wait_for_peers(control, world)
-    report = ReplicaReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
-                           metrics_exporter(job, rank), before)
     trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L)
-    # every global rank owns a part of each epoch, live or not, with its sharding group's cursor;
-    # the evaluating group reads every eval row over its L workers
-    data, eval_data = _data(job, rank, world, s, L, device)
-    rows = RowLog(job.row_log, attempt, rank) if job.row_log else None
 
     def note_progress(step: int) -> None:  # a rebuilt group reads on from its own cursor (train.ft)
         if s == 0:
@@ -412,13 +410,13 @@ class Reporter:
     heartbeat to job control."""
 
     def __init__(self, job: WorkerJob, trainer: Trainer, control: Any, coordinator: Any, attempt: int,
-                 exporter: Any) -> None:
+                 exporter: Any, tracker: Any = None) -> None:
         import ray
 
         from recgrid.tracking import Tracker
 
         self.job, self.trainer, self.control, self.coordinator, self.attempt = job, trainer, control, coordinator, attempt
-        self.tracker = Tracker.attach(job.run_id, job.tracking_uri) if job.run_id else None
+        self.tracker = tracker or (Tracker.attach(job.run_id, job.tracking_uri) if job.run_id else None)
         status = ray.get(control.status.remote())
         self.logged_upto = status["logged_upto"]
         self.attempt_info = status["attempts"][attempt]
@@ -521,6 +519,38 @@ class Reporter:
                                               time.perf_counter() - self.started_at))
 
 
+class WarmTracker:
+    """The job's MLflow run, attached in a background thread when `warm`, for a worker that may take
+    over the logging mid-job; `get()` gives it (attached then if it was not warmed or that failed)."""
+
+    def __init__(self, run_id: str | None, tracking_uri: str | None, warm: bool) -> None:
+        import threading
+
+        self.run_id, self.tracking_uri = run_id, tracking_uri
+        self.tracker: Any = None
+        self._thread = threading.Thread(target=self._attach, args=(True,), name="recgrid-tracker", daemon=True) \
+            if warm and run_id else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _attach(self, quiet: bool = False) -> None:
+        from recgrid.tracking import Tracker
+
+        try:
+            self.tracker = Tracker.attach(self.run_id, self.tracking_uri)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - warming only: `get` attaches again and raises there
+            if not quiet:
+                raise  # `get`'s own attach: the error is the logging worker's
+
+    def get(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.tracker is None and self.run_id:
+            self._attach()
+        return self.tracker
+
+
 class ReplicaReport:
     """A torchft worker's side of logging and recovery events (`train.ft.ReplicaListener`): shard
     rank 0 of the live sharding group of quorum rank 0 logs through a `Reporter` (it changes when
@@ -531,8 +561,8 @@ class ReplicaReport:
     attempt here is one worker's start (Ray's replica groups are single workers)."""
 
     def __init__(self, job: WorkerJob, trainer: Trainer, heal: Any, coords: Any, attempt: int, replacement: bool,
-                 attempt_info: dict[str, Any], exporter: Any, before: dict[str, Any]) -> None:
-        self.job, self.trainer, self.heal, self.attempt = job, trainer, heal, attempt
+                 attempt_info: dict[str, Any], exporter: Any, before: dict[str, Any], tracker: "WarmTracker") -> None:
+        self.job, self.trainer, self.heal, self.attempt, self.tracker = job, trainer, heal, attempt, tracker
         self.rank, self.group, self.shard = coords.rank, coords.sharding_group, coords.shard_rank
         self.replacement, self.attempt_info, self.exporter, self.before = replacement, attempt_info, exporter, before
         self.control, self.coordinator = job.control, job.recovery
@@ -547,7 +577,8 @@ class ReplicaReport:
     # ---- ReplicaListener ------------------------------------------------------------------------------
     def quorum(self, live: int, rank: int) -> None:
         if rank == 0 and self.shard == 0 and self.report is None:
-            self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter)
+            self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter,
+                                   tracker=self.tracker.get())
             self.control.note.remote(self.attempt, self.rank, {"logging_since": time.time()})
         elif rank != 0:
             self.report = None
@@ -627,7 +658,7 @@ class ReplicaReport:
         if not self.replacement or self.shard != 0:
             return
         now = time.time()
-        detected = self.attempt_info.get("failure_time") or self.attempt_info["start"]
+        detected = self._failure_seen()
         heal = self.heal.heals[-1] if self.heal.heals else None
         if heal is None or heal["step"] == 0:
             event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one: training starts "
@@ -646,6 +677,22 @@ class ReplicaReport:
                      t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
                      num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
         ray.get(self.coordinator.record.remote(event))
+
+    def _failure_seen(self) -> float:
+        """When this group's failure was first seen: by this worker (a group-mate rebuilt in place: when
+        its step failed) or by Ray Train's controller, as it started a replacement for one of the
+        group's workers (that attempt's `failure_time`), whichever came first after the group's last
+        commit."""
+        import ray
+
+        seen = [self.attempt_info.get("failure_time") or self.attempt_info["start"]]
+        last_commit = self.before.get("at", 0.0)
+        grid = Grid(self.job.max_world_size, self.job.max_world_size // self.job.group_size, self.job.layout)
+        ranks = set(grid.sharding_groups[self.group])
+        for a in ray.get(self.control.status.remote())["attempts"]:
+            if (a.get("failure_time") or 0.0) > last_commit and ranks & {int(r) for r in a["workers"]}:
+                seen.append(a["failure_time"])
+        return min(seen)
 
     def _survivors(self, since: float, now: float) -> dict[str, Any]:
         """The groups that kept training while this one was rebuilt (`since` the failure was seen,

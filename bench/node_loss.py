@@ -1,0 +1,147 @@
+"""Node loss with `train.fault_tolerance=torchft` under the inter-host layout (issue 15, acceptance 4).
+
+A real multi-node Ray cluster in one process (`ray.cluster_utils.Cluster`): a head that holds no
+worker (it lacks the `worker_slot` resource the workers ask for) and two worker nodes, each with
+room for one sharding group. Once the job trains, the second worker node is removed; `--gap`
+seconds later a fresh node joins (capacity returns). For each case the script records whether
+the sharding group on the surviving node kept its processes and kept training, the steps it took
+meanwhile, the seconds from the node's removal to the lost group's first committed step after its
+heal, and how the job ended:
+
+  one worker per node   T=2, M=2 (L=1): the lost node held one worker, one Ray replica group
+  a group per node      T=4, M=2 (L=2): the lost node held two workers, two Ray replica groups
+
+Ray 2.60's controller replaces failed replica groups one after another; replacing the first, it
+clears the result queues of every other replica group it still counts as active, the second dead
+one included, and that call's ActorDiedError is not a retryable controller error, so the run
+fails (`ray/train/v2/_internal/execution/worker_group/worker_group.py`,
+`_replace_replica_group_impl`). recgrid does not patch Ray; the second case records what happens.
+
+Writes bench/results/node_loss.json (configuration, machine, figures) and prints it.
+
+    .venv/bin/python bench/node_loss.py [--cases one_per_node,group_per_node] [--gap 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = {"one_per_node": {"world_size": 2, "num_groups": 2}, "group_per_node": {"world_size": 4, "num_groups": 2}}
+# as the test suite's clusters: the controller sees a dead worker within 0.5 s (Ray's default: 2 s)
+RAY_ENV = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RUST_LOG": "warn",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def run_case(tmp: Path, name: str, gap_s: float) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from recgrid.cluster import LOCAL_SYSTEM_CONFIG
+    from recgrid.config import load_config
+    from recgrid.launch.ray import run_job
+
+    shape = CASES[name]
+    L = shape["world_size"] // shape["num_groups"]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": LOCAL_SYSTEM_CONFIG})
+    nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": L}) for _ in range(2)]
+    ray.init(address=cluster.address, runtime_env={"env_vars": RAY_ENV}, logging_level="WARNING")
+    cluster.wait_for_nodes()
+    config = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={tmp}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=40000",
+        f"grid.world_size={shape['world_size']}", f"grid.num_groups={shape['num_groups']}", "grid.sync_every=5",
+        "grid.layout=inter-host", "train.resources_per_worker={worker_slot: 1}", "train.fault_tolerance=torchft",
+        "train.max_steps=100000", "train.batch_size=64", "train.log_every=10", "train.max_failures=4",
+        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-node-loss-{name}",
+    ])
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
+    job.start()
+    out: dict = {"case": name, **shape, "group_size": L}
+    lost_at = before = None
+    try:
+        while job.is_alive():
+            c = box.get("c")
+            try:
+                st = c.status() if c is not None else None
+            except Exception:  # noqa: BLE001 - the job ended between two polls
+                st = None
+            workers = {r: w for a in st["attempts"] for r, w in a["workers"].items()} if st else {}
+            if lost_at is None and st and sum(1 for w in workers.values() if w.get("ready")) == shape["world_size"] \
+                    and st["last_step"] > 10:
+                lost = nodes.pop(1)
+                before = {r: (w["node"], w["pid"]) for r, w in workers.items()}
+                out["lost_ranks"] = sorted(r for r, (n, _) in before.items() if n == lost.node_id)
+                out["step_at_loss"] = st["last_step"]
+                lost_at = time.time()
+                cluster.remove_node(lost)
+                time.sleep(gap_s)
+                nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": L}))
+                out["node_added_s"] = round(time.time() - lost_at, 2)
+            events = [e for e in st["events"] if "seconds" in e] if st else []
+            if lost_at is not None and events and len({e.get("sharding_group") for e in events}) >= 1 and \
+                    st["last_step"] >= max(e["step"] for e in events) + 10:
+                kept = [r for r in before if r not in out["lost_ranks"]]
+                out["survivors_kept_their_processes"] = all(workers[r]["pid"] == before[r][1] for r in kept)
+                out["first_step_after_heal_s"] = round(max(e["t_first_step"] for e in events) - lost_at, 2)
+                out["survivors_steps_during"] = [e.get("survivors_steps") for e in events]
+                out["recoveries"] = [{k: e.get(k) for k in ("sharding_group", "source", "step", "kept_training")}
+                                     for e in events]
+                ray.get(c.control.request_stop.remote())
+                break
+            time.sleep(0.2)
+        job.join()
+        result = box["result"]
+        out["status"] = result.status
+        if result.error:
+            out["error"] = result.error.splitlines()[0][:300]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--gap", type=float, default=5.0, help="seconds between the node's removal and a fresh node's join")
+    ap.add_argument("--out", default=str(REPO / "bench/results/node_loss.json"))
+    a = ap.parse_args()
+
+    from recgrid.launch.report import machine_info, write_result
+
+    results = {}
+    for name in a.cases.split(","):
+        tmp = Path(tempfile.mkdtemp(prefix="recgrid-bench-node-loss-"))
+        os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
+        print(f"[bench] {name}: {CASES[name]}, a worker node lost, a fresh one {a.gap:g} s later ...",
+              file=sys.stderr, flush=True)
+        try:
+            results[name] = run_case(tmp, name, a.gap)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(json.dumps(results[name]), file=sys.stderr, flush=True)
+    out = {
+        "benchmark": "node_loss",
+        "configuration": {"layout": "inter-host", "fault_tolerance": "torchft", "sync_every": 5, "batch_size_per_worker": 64,
+                          "cluster": "ray.cluster_utils.Cluster: a head of 1 CPU (no worker slot), two worker nodes of "
+                                     "1 CPU and one sharding group's worker slots each",
+                          "cases": {k: CASES[k] for k in results}, "gap_s": a.gap},
+        "results": results,
+        "machine": machine_info(),
+    }
+    write_result(a.out, out)
+    print(json.dumps(results, indent=2))  # the whole file, with the machine, is at --out
+
+
+if __name__ == "__main__":
+    main()
