@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,10 +75,7 @@ def evict_from_page_cache(root: Path) -> int:
 
 
 def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_storage: bool = True) -> dict:
-    import ray
-
     from recgrid.config import load_config
-    from recgrid.launch.ray import run_job
 
     steps = kill_after_step + 30
     overrides = [
@@ -90,24 +88,13 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_stor
         *MODELS[model],
     ]
     config = load_config(REPO / "jobs/local_demo.yaml", overrides)
-    box: dict = {}
-    job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
-    job.start()
-    kill = None
-    while job.is_alive() and kill is None:
-        c = box.get("c")
-        st = c.status() if c is not None else None  # the job's actors (launch.ray.JobActors)
-        # kill right after a snapshot/checkpoint step's successor, the same place in every case
-        if st and st["attempts"] and st["last_step"] >= kill_after_step:
-            workers = st["attempts"][0]["workers"]
-            victim = workers[1]["pid"]
-            os.kill(victim, signal.SIGKILL)
-            kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
-            if source == "storage" and cold_storage:
-                kill["evicted_bytes"] = evict_from_page_cache(tmp / "storage" / f"{model}-{source}")
-        time.sleep(0.05)
-    job.join()
-    result = box["result"]
+
+    def evict(kill: dict) -> None:
+        if source == "storage" and cold_storage:
+            kill["evicted_bytes"] = evict_from_page_cache(tmp / "storage" / f"{model}-{source}")
+
+    # kill right after a snapshot/checkpoint step's successor, the same place in every case
+    result, kill = run_with_kill(config, kill_after_step, on_kill=evict)
     if result.status != "FINISHED" or not result.events:
         raise RuntimeError(f"{model}/{source}: the job did not recover: {result.status} {result.error}")
     (e,) = result.events
@@ -189,11 +176,8 @@ def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int,
 
 def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: int | None,
                  stop_after_recovery: int | None = None) -> tuple:
-    """Run one torchft job (T=4 M=2 unless `overrides` say otherwise), killing rank 1 once it
-    passed `kill_after_step` (None: no kill); with `stop_after_recovery`, stop it that many steps
-    after the rebuilt group's first committed step. Returns (JobResult, the kill)."""
+    """One torchft job (T=4 M=2 unless `overrides` say otherwise) through `run_with_kill`."""
     from recgrid.config import load_config
-    from recgrid.launch.ray import run_job
 
     config = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp}/data/{model}/train/*.parquet", "data.synth_rows=120000",
@@ -202,11 +186,22 @@ def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: i
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
         *MODELS[model], *overrides,
     ])
+    return run_with_kill(config, kill_after_step, stop_after_recovery)
+
+
+def run_with_kill(config: Any, kill_after_step: int | None, stop_after_recovery: int | None = None,
+                  on_kill: Callable[[dict], None] | None = None) -> tuple:
+    """Run `config` on the bench's Ray cluster, SIGKILLing rank 1 once the job passed
+    `kill_after_step` (None: no kill; `on_kill(kill)` right after); with `stop_after_recovery`,
+    stop it gracefully that many steps after the first recovery's step. Returns (JobResult, the kill)."""
+    from recgrid.launch.ray import run_job
+
     box: dict = {}
     job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
     job.start()
     kill, stopped = None, False
-    while job.is_alive():
+    # poll until the kill and the stop asked for are done (the job's status is read no longer than needed)
+    while job.is_alive() and not ((kill_after_step is None or kill) and (stop_after_recovery is None or stopped)):
         c = box.get("c")
         try:
             st = c.status() if c is not None else None
@@ -216,6 +211,8 @@ def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: i
             victim = {r: w for a in st["attempts"] for r, w in a["workers"].items()}[1]["pid"]
             os.kill(victim, signal.SIGKILL)
             kill = {"time": time.time(), "step": st["last_step"], "rank": 1}
+            if on_kill is not None:
+                on_kill(kill)
         events = [e for e in st["events"] if "seconds" in e] if st else []
         if stop_after_recovery is not None and events and not stopped and \
                 st["last_step"] >= events[0]["step"] + stop_after_recovery:

@@ -177,20 +177,17 @@ class ShardingGroup:
         if self.size == 1:
             return False
         mates = [m for m in range(self.size) if m != self.shard]
-        last = {m: (mate_beats(self._store, m), time.monotonic()) for m in mates}
+        seen: dict[int, tuple[int, float]] = {}
+        for m in mates:
+            silent_for(seen, m, mate_beats(self._store, m), time.monotonic())
         deadline = time.monotonic() + MATE_TIMEOUT_S + 2 * MATE_BEAT_S
         while not self.mate_lost.wait(MATE_BEAT_S / 2):
             now = time.monotonic()
-            for m in mates:
-                n = mate_beats(self._store, m)
-                if n != last[m][0]:
-                    last[m] = (n, now)
-                elif now - last[m][1] > MATE_SILENT_S:
-                    self.mate_lost.set()
+            if [m for m in mates if silent_for(seen, m, mate_beats(self._store, m), now) > MATE_SILENT_S]:
+                self.mate_lost.set()
             if now > deadline:
                 return False
         return True
-
 
     def leave(self) -> None:
         """Stop beating and watching (the group-mates stop expecting this worker's beats)."""
@@ -214,9 +211,7 @@ class ShardingGroup:
                     n = mate_beats(store, mate) if mate != self.shard else -1
                     if n < 0:
                         continue
-                    if mate not in seen or seen[mate][0] != n:
-                        seen[mate] = (n, now)
-                    elif n and now - seen[mate][1] > MATE_TIMEOUT_S:
+                    if silent_for(seen, mate, n, now) > MATE_TIMEOUT_S and n:  # n = 0: it has not beaten yet
                         self.mate_lost.set()
                         self.on_mate_lost()
                         if not self._caught.wait(MATE_GRACE_S):
@@ -231,6 +226,14 @@ class ShardingGroup:
             store.add(f"left/{self.shard}", 1)
         except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
             return
+
+
+def silent_for(seen: dict[int, tuple[int, float]], mate: int, beats: int, now: float) -> float:
+    """How long group-mate `mate`'s beat count has stood at `beats` (`seen` holds each mate's last
+    count and when it moved; updated here)."""
+    if mate not in seen or seen[mate][0] != beats:
+        seen[mate] = (beats, now)
+    return now - seen[mate][1]
 
 
 def mate_beats(store: Any, mate: int) -> int:

@@ -528,26 +528,28 @@ class WarmTracker:
 
         self.run_id, self.tracking_uri = run_id, tracking_uri
         self.tracker: Any = None
-        self._thread = threading.Thread(target=self._attach, args=(True,), name="recgrid-tracker", daemon=True) \
+        self._thread = threading.Thread(target=self._warm, name="recgrid-tracker", daemon=True) \
             if warm and run_id else None
         if self._thread is not None:
             self._thread.start()
 
-    def _attach(self, quiet: bool = False) -> None:
+    def _attach(self) -> Any:
         from recgrid.tracking import Tracker
 
+        return Tracker.attach(self.run_id, self.tracking_uri)  # type: ignore[arg-type]
+
+    def _warm(self) -> None:
         try:
-            self.tracker = Tracker.attach(self.run_id, self.tracking_uri)  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001 - warming only: `get` attaches again and raises there
-            if not quiet:
-                raise  # `get`'s own attach: the error is the logging worker's
+            self.tracker = self._attach()
+        except Exception:  # noqa: BLE001 - warming only: `get` attaches again, and raises there
+            pass
 
     def get(self) -> Any:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self.tracker is None and self.run_id:
-            self._attach()
+            self.tracker = self._attach()
         return self.tracker
 
 
@@ -671,7 +673,7 @@ class ReplicaReport:
                             f"torchft's PGTransport (no storage read; the other groups kept training)",
                      "detail": f"group {self.group} from group {heal['from']}"}
         event.update(self._survivors(detected, now))
-        event.update(attempt=self.attempt, replica=self.group, sharding_group=self.group, pid=os.getpid(),
+        event.update(attempt=self.attempt, sharding_group=self.group, pid=os.getpid(),
                      failure_step=self.before.get("step"), steps_lost=0,
                      t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
                      t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
