@@ -27,10 +27,14 @@ T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the fin
 fixed-length torchft job with one worker killed against the failure-free run of the same seed, for
 each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`).
 
+The `failure_free` source runs the demo's shape with failures allowed and none happening, on both
+paths (restart and torchft, `--failure-free-reps` jobs each): their wall seconds and median QPS,
+what choosing torchft by default costs when nothing fails.
+
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
 sources only keeps the other sources' figures already in the file.
 
-    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--sources peer,storage,torchft] [--out PATH]
+    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--sources peer,storage,torchft,failure_free] [--out PATH]
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_stor
         f"data.train={tmp}/data/{model}/train/*.parquet", f"data.eval=[]", "data.synth_rows=120000",
         "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
         f"train.max_steps={steps}", "train.batch_size=128", "train.log_every=5", "train.max_failures=1",
+        "train.fault_tolerance=restart",  # this job: every worker restarts (torchft: `_torchft_job`)
         "train.checkpoint_every=10", f"train.storage_path={tmp}/storage/{model}-{source}",
         f"train.snapshot_every_syncs={1 if source == 'peer' else 0}",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
@@ -146,6 +151,43 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: in
             "kept_training": e["kept_training"], "survivors_steps_during": e.get("survivors_steps", 0),
             "survivors_qps_during": round(e.get("survivors_qps", 0.0), 1),
             "survivors_qps_before": round(e.get("survivors_qps_before", 0.0), 1)}
+
+
+def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
+    """What each failure path costs when nothing fails: the demo's shape (T=4, M=2, K=5, 400 steps
+    of 256 rows per worker, failures allowed), failure-free, `reps` jobs per path, alternating.
+    Per job: its wall seconds (start to end, evaluations included), the median of its logged
+    `train/qps` and its final eval NE. The derived default picks torchft for this shape."""
+    import statistics
+
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.config import load_config
+    from recgrid.launch.ray import run_job
+
+    jobs: dict[str, list[dict]] = {"restart": [], "torchft": []}
+    for rep in range(reps):
+        for path in jobs:
+            config = load_config(REPO / "jobs/local_demo.yaml", [
+                f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",
+                "train.max_failures=1", f"train.fault_tolerance={path}", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
+                f"tracking.experiment=bench-failure-free-{model}", *MODELS[model]])
+            print(f"[bench] {model}: failure-free, {path}, job {rep + 1}/{reps} ...", file=sys.stderr, flush=True)
+            t0 = time.time()
+            result = run_job(config, summary=False)
+            wall = time.time() - t0
+            assert result.status == "FINISHED", result.error
+            qps = [m.value for m in MlflowClient(config.tracking.tracking_uri).get_metric_history(result.run_id,
+                                                                                                   "train/qps")]
+            jobs[path].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
+                               "eval_ne": round(result.metrics["eval/ne"], 5)})
+    out: dict[str, Any] = {"configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "max_steps": 400,
+                                             "batch_size_per_worker": 256, "jobs_per_path": reps}, "jobs": jobs}
+    for path, runs in jobs.items():
+        out[path] = {"wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),
+                     "median_qps": round(statistics.median(r["median_qps"] for r in runs), 1)}
+    out["torchft_over_restart_qps"] = round(out["torchft"]["median_qps"] / out["restart"]["median_qps"], 3)
+    return out
 
 
 def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int, seeds: int) -> dict:
@@ -253,7 +295,10 @@ def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,1gb")
-    ap.add_argument("--sources", default="peer,storage,torchft")
+    ap.add_argument("--sources", default="peer,storage,torchft,failure_free",
+                    help="restores from peer and storage (restart path), torchft, and failure_free: both paths' "
+                         "wall seconds and QPS when nothing fails")
+    ap.add_argument("--failure-free-reps", type=int, default=2, help="failure_free: jobs per path")
     ap.add_argument("--kill-after-step", type=int, default=41,
                     help="kill once the job passed this step (the snapshot overhead is measured over the intervals before it)")
     ap.add_argument("--warm-storage", action="store_true",
@@ -304,6 +349,11 @@ def main() -> None:
     try:
         for model in a.models.split(","):
             for source in a.sources.split(","):
+                if source == "failure_free":
+                    results.setdefault(model, {})[source] = run_failure_free(tmp, model, a.failure_free_reps)
+                    print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
+                    save()
+                    continue
                 if source != "torchft":
                     print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
                     results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step,

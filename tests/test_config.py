@@ -221,7 +221,7 @@ def test_keys_into_a_pipe_whose_reader_left_ends_quietly():
 def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> None:
     """train.checkpoint_every left null: the largest multiple of K not above a tenth of the job,
     at least K; what the job runs with is the resolved value, and that is its param. 0 stays none;
-    jobs that write no storage checkpoints (tower models, torchft) resolve null to 0."""
+    tower models, which write no storage checkpoints, resolve null to 0 (torchft jobs write them too)."""
     base = ["data.train=data/train-*.tsv"]
 
     def every(*o: str) -> int:
@@ -238,7 +238,7 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
     assert every("train.max_steps=5") == 1
     assert every("train.max_steps=400", "train.checkpoint_every=0") == 0  # none, explicitly
     assert every("train.max_steps=400", "train.checkpoint_every=15") == 15
-    assert every("grid.world_size=2", "grid.num_groups=2", "train.fault_tolerance=torchft") == 0
+    assert every("grid.world_size=2", "grid.num_groups=2", "train.max_steps=200", "train.fault_tolerance=torchft") == 20
     assert every("model.towers=2") == 0
     # a K sweep (`recgrid compare`) keeps a valid cadence for every K; a written one must be a multiple
     assert every("grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100") == 9
@@ -248,3 +248,28 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
                            "train.checkpoint_every=5"])
     with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be >= 0, got -5$"):
         load_config(None, [*base, "train.checkpoint_every=-5"])
+
+
+def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -> None:
+    """train.fault_tolerance null: torchft for CPU jobs of M >= 2 that survive failures and use
+    nothing it cannot carry (logged resolved); restart otherwise; written out, torchft refuses
+    what it cannot carry, naming the field."""
+    base = ["data.train=data/train-*.tsv", "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5"]
+
+    def path(*o: str) -> str:
+        cfg = load_config(None, [*base, *o])
+        assert cfg.run_params()["train.fault_tolerance"] == cfg.fault_tolerance
+        return cfg.fault_tolerance
+
+    assert load_config(None, base).train.fault_tolerance is None
+    assert path("train.max_failures=2") == "torchft"
+    assert path() == "restart"  # no failure survived: nothing to be faster at
+    assert path("train.max_failures=2", "grid.num_groups=1") == "restart"  # no peer group to heal from
+    assert path("train.max_failures=2", "grid.min_world_size=2") == "restart"  # elastic
+    assert path("train.max_failures=2", "grid.delayed_moment_sync=true") == "restart"
+    assert path("train.max_failures=2", "model.towers=2") == "restart"
+    assert path("train.max_failures=2", "train.fault_tolerance=restart") == "restart"
+    assert path("train.max_failures=0", "train.fault_tolerance=torchft") == "torchft"
+    with pytest.raises(ConfigError, match=r"^model\.towers: tower models are not supported with "
+                                          r"train\.fault_tolerance=torchft .*; or use train\.fault_tolerance=restart$"):
+        load_config(None, [*base, "model.towers=2", "train.fault_tolerance=torchft"])

@@ -65,7 +65,8 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
     # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
     chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.checkpoint_every=20", *QR_HEAD, *SIDE_BY_SIDE])
+                                    "train.max_failures=2", "train.fault_tolerance=restart", "train.checkpoint_every=20",
+                                    *QR_HEAD, *SIDE_BY_SIDE])
     # the chaos job's failure-free twin (which writes no storage checkpoint: it tests no restore)
     twin_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
     failed_cfg = load_config(REPO / "jobs/local_demo.yaml", [

@@ -172,7 +172,7 @@ def test_host_local_layout_falls_back_to_storage_and_says_so(cluster, tmp_path):
     # no train.checkpoint_every: the storage fallback every job gets by default (a tenth of the
     # job, at least K: every 5 steps here)
     cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50", WORKER_SLOT,
-                    "train.max_failures=2")
+                    "train.max_failures=2", "train.fault_tolerance=restart")
     assert cfg.train.checkpoint_every is None and cfg.checkpoint_every == 5
     job = BackgroundJob(cfg)
     st = job.wait_for(lambda s: training(s, 0, 1))

@@ -1,6 +1,7 @@
 """`train.fault_tolerance=torchft` on a real local Ray cluster (issue 15: survivors keep training).
 
-T=4, M=2 (L=2), K=5: every sharding group is one torchft replica group. One worker is SIGKILLed
+T=4, M=2 (L=2), K=5, failures allowed, on CPU workers: torchft by default, every sharding group one
+torchft replica group. One worker is SIGKILLed
 after the first sync, then, once the job has healed and synced twice, the worker that logs to
 MLflow. Each time the other sharding group keeps its processes and keeps taking steps; Ray
 replaces the dead worker alone, its group-mate rebuilds the group in place with the replacement,
@@ -9,6 +10,8 @@ current step. The job ends FINISHED in its one MLflow run with both recoveries r
 metric once per step. The row audit: each global rank's part of the epoch plan is trained as a
 prefix with no row skipped (a rebuilt group reads on from its own cursor), and only the batches
 a group had consumed but not committed when it broke are read again.
+When no live group is left (T=2, M=1: one sharding group), the rebuilt group restores the storage
+checkpoint its live predecessor wrote, and every row after it is read again, none skipped.
 Invalid torchft configs fail before any worker starts, with a sentence naming the field.
 """
 
@@ -36,7 +39,7 @@ def _config(tmp: Path, *extra: str):
         f"grid.world_size={T}", f"grid.num_groups={M}", f"grid.sync_every={K}",
         # ended by a graceful stop once the second rebuilt group has healed and synced twice
         "train.max_steps=100000", f"train.batch_size={B}", "train.log_every=10", "train.eval_every=0",
-        "train.fault_tolerance=torchft", "train.max_failures=2",
+        "train.max_failures=2",  # with M = 2 on CPU workers: torchft by default
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft", *extra,
     ])
 
@@ -201,16 +204,103 @@ def test_no_row_is_skipped_and_only_uncommitted_batches_are_read_again(job):
             assert positions == list(range(len(positions)))  # in order, once each
 
 
+@pytest.fixture(scope="module")
+def lone_group_job(tmp_path_factory, shared_ray):
+    """T=2, M=1 (one sharding group of L=2) under torchft, storage checkpoints every 10 steps: a
+    worker is killed past the first one, so no live group is left to heal from."""
+    tmp = tmp_path_factory.mktemp("torchft_storage")
+    os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
+    config = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={tmp}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=40000",
+        f"data.row_log={tmp}/rows", "grid.world_size=2", "grid.num_groups=1", f"grid.sync_every={K}",
+        "train.max_steps=100000", f"train.batch_size={B}", "train.log_every=5", "train.eval_every=0",
+        "train.checkpoint_every=10", "train.fault_tolerance=torchft", "train.max_failures=1",
+        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft-storage"])
+    seed = int(os.environ.get("RECGRID_CHAOS_SEED", random.randrange(1 << 30)))
+    print(f"\nchaos seed {seed} (replay: RECGRID_CHAOS_SEED={seed})")
+    bg = BackgroundJob(config)
+    st = bg.wait_for(lambda s: len({r for r, w in _workers(s).items() if w.get("ready")}) == 2 and s["last_step"] >= 33)
+    victim = random.Random(seed).randrange(2)
+    pids = {r: w["pid"] for r, w in _workers(st).items()}
+    os.kill(pids[victim], signal.SIGKILL)
+    st = bg.wait_for(lambda s: len(_events(s)) == 1, timeout=240)
+    event = _events(st)[0]
+    bg.wait_for(lambda s: s["last_step"] >= event["failure_step"] + 10)
+    written = bg.status()["checkpoints"]
+    bg.request_stop()
+    result = bg.join()
+    assert result.status == "FINISHED", result.error
+    print(f"storage fallback: {event.get('why')}; first step {event['seconds']:.1f} s after the failure was seen")
+    return {"config": config, "result": result, "event": event, "pids": pids, "victim": victim, "tmp": tmp,
+            "written": written, "final": _workers({"attempts": result.attempts})}
+
+
+def test_no_live_group_left_restores_the_storage_checkpoint_the_live_group_wrote(lone_group_job):
+    """The lone group's checkpoints (every 10 steps, two kept) were written by it alone, without
+    Ray Train's report; after the kill the rebuilt group restored the newest, logged as the run's
+    one recovery (source storage, the steps trained again), and trained on to a FINISHED run."""
+    from recgrid.train.checkpoint import checkpoint_step, is_complete
+
+    job = lone_group_job
+    e = job["event"]
+    assert e["source"] == "storage" and e["step"] % 10 == 0 and e["step"] > 0
+    assert e["steps_lost"] == e["failure_step"] - e["step"] >= 0 and e["failure_step"] >= 30
+    assert checkpoint_step(e["detail"]) == e["step"]
+    assert job["final"][1 - job["victim"]]["pid"] == job["pids"][1 - job["victim"]]  # the mate rebuilt in place
+    left = sorted(Path(job["tmp"], "runs").rglob("checkpoint_step_*"))
+    assert len(left) == 2 and all(is_complete(str(p)) for p in left), left  # the two newest kept
+    steps = [checkpoint_step(str(p)) for p in left]
+    assert steps[1] == steps[0] + 10 and steps[1] > e["step"] and len(job["written"]) > 2
+    client = mlflow_client(job["config"])
+    (run,) = client.search_runs([client.get_experiment_by_name("test-torchft-storage").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train.fault_tolerance"] == "torchft"
+    assert run.data.metrics["recovery/count"] == 1 and run.data.tags["recovery/source/1"] == "storage"
+    assert run.data.metrics["recovery/steps_lost"] == e["steps_lost"]
+    for key in run.data.metrics:  # steps trained again are not logged again
+        steps_logged = [x.step for x in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps_logged) == len(set(steps_logged)), key
+
+
+def test_a_storage_restore_reads_the_rows_after_the_checkpoint_again_and_skips_none(lone_group_job):
+    """Each rank's batches, in the order trained: its part of the epoch plan up to the kill, then
+    again from where its cursor stood at the restored checkpoint's step."""
+    from recgrid.data.stream import scan_inputs
+    from recgrid.data.units import DataCursor, EpochPlan, take_rows
+    from recgrid.train.worker import read_row_logs
+
+    job, n = lone_group_job, 2
+    config, e = job["config"], job["event"]
+    inputs = scan_inputs(config.data.train, config.dataset_spec())
+    plan = EpochPlan(inputs, config.train.seed, B, config.data.rows_per_unit)
+    first_row = np.cumsum([0, *inputs.rows])
+    cursor, seg = DataCursor(), None
+    seg = plan.segment(cursor, n)
+    for rank in range(n):
+        expected = [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
+                                            for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
+                    for k in range(seg.steps_total)]
+        logs = read_row_logs(str(job["tmp"] / "rows"))
+        steps_rows = np.concatenate([logs[k] for k in sorted(logs) if k[1] == rank])
+        batches = [np.sort(b).tobytes() for b in steps_rows[:, 1].reshape(-1, B)]
+        steps = steps_rows[::B, 0]
+        positions = [expected.index(b) for b in batches]
+        again = next(i for i in range(1, len(positions)) if positions[i] <= positions[i - 1])  # the restore
+        assert positions[:again] == list(range(again)), rank  # in order up to the kill
+        assert positions[again] == e["step"] and steps[again] == e["step"] + 1, rank  # read on from step 10k
+        assert positions[again:] == list(range(e["step"], e["step"] + len(positions) - again)), rank
+
+
 @pytest.mark.parametrize("overrides,field,words", [
     (["grid.min_world_size=2"], "grid.min_world_size", "elastic"),
-    (["train.checkpoint_every=10"], "train.checkpoint_every", "storage checkpoints"),
+    (["train.resume_from=s3://bucket/checkpoint_step_00000010"], "train.resume_from", "not read"),
     (["grid.delayed_moment_sync=true"], "grid.delayed_moment_sync", "not supported"),
 ])
 def test_torchft_configs_it_cannot_carry_fail_at_start(tmp_path, overrides, field, words):
     with pytest.raises(ConfigError) as e:
-        _config(tmp_path, *overrides)
+        _config(tmp_path, "train.fault_tolerance=torchft", *overrides)
     assert str(e.value).startswith(f"{field}:") and words in str(e.value)
-    _config(tmp_path, f"grid.min_world_size={T}")  # a fixed size written out is fine
+    assert _config(tmp_path, *overrides).fault_tolerance == "restart"  # the default: what it can carry
+    _config(tmp_path, "train.fault_tolerance=torchft", f"grid.min_world_size={T}")  # a fixed size is fine
 
 
 # ---- the replica average itself: three real torchft managers (gloo) in threads, no Ray ---------------
@@ -283,3 +373,29 @@ def test_replica_average_keeps_identical_fp16_rows_bit_identical():
         assert changed == 0, f"{changed} of {rows.numel()} identical fp16 rows changed by the average"
         assert torch.equal(bf16, rows[:100].to(torch.bfloat16))
         assert torch.allclose(fp32, torch.full((8,), 1.0))  # (0 + 1 + 2) / 3
+
+
+def test_job_control_pins_each_groups_cursor_at_checkpoint_steps_and_rewinds_to_them():
+    """The cursors a restore from a storage checkpoint sets the groups back to: a group's own at a
+    checkpoint step it committed, where its last commit left it for one it was away for, the start
+    for one before its first; the rewind is reported once per restore."""
+    from recgrid.train.control import JobControlImpl
+
+    c, every = JobControlImpl(), 10
+
+    def note(g: int, step: int) -> None:
+        c.group_progress(g, step, {"steps": step * 100 + g}, float(step), every)
+
+    for step in range(1, 13):
+        note(0, step)
+        if step <= 7 or step >= 12:  # group 1 is away from 8 to 11, and heals at 12
+            note(1, step)
+    assert c.cursors_at(10) == {0: {"steps": 1000}, 1: {"steps": 701}}
+    c.group_progress(2, 12, {"steps": 1202}, 12.0, every)  # group 2 started late: before step 10, the start
+    assert c.cursors_at(10)[2] is None
+    cursors, rewind = c.rewind_groups(10, group=1)
+    assert cursors == {0: {"steps": 1000}, 1: {"steps": 701}, 2: None}
+    assert rewind is not None and (rewind["to"], rewind["from"], rewind["group"]) == (10, 12, 1)
+    assert c.group_status(1)["cursor"] == {"steps": 701} and c.group_status(0)["step"] == 10
+    again, second = c.rewind_groups(10, group=0)  # a group restoring with it: the same cursors, no second rewind
+    assert again == cursors and second is None

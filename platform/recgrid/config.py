@@ -7,7 +7,8 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 `optim.lr: must be > 0, got -0.1`.
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
-properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`, `run_name`) from the
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`, `fault_tolerance`,
+`run_name`) from the
 dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
 `c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
@@ -162,12 +163,12 @@ class TrainConfig:
     """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource (Ray Data's read tasks ask for none of them, so they may run on any node with CPUs); names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
-    fault_tolerance: Literal["restart", "torchft"] = "restart"
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is rebuilt (its group-mates leave with it and Ray replaces them all) and healed from a live peer group (needs M > 1 to survive a failure; no elastic resize, delayed moment sync or storage checkpoints on this path)."""
+    fault_tolerance: Literal["restart", "torchft"] | None = None
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is rebuilt (Ray replaces the dead worker, its group-mates rebuild the group in place with it) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); no elastic resize, delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int = 1
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none."""
     checkpoint_every: int | None = None
-    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models and train.fault_tolerance=torchft, which write no storage checkpoints. A job keeps its two newest checkpoints."""
+    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. With train.fault_tolerance=torchft the live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
     storage_path: str | None = None
     """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
@@ -374,7 +375,7 @@ class JobConfig:
                                   f"(no .metadata in it)")
         _at_least("data.rows_per_unit", d.rows_per_unit, 1)
         if t.fault_tolerance == "torchft":
-            self._check_torchft()
+            self._check_torchft(self.torchft_cannot_carry())
 
         _positive("optim.lr", o.lr)
         _positive("optim.eps", o.eps)
@@ -439,22 +440,30 @@ class JobConfig:
         return Compression(threshold_rows=m.qr_threshold_rows, collisions=m.qr_collisions, operation=m.qr_operation,
                            head_rows=m.head_rows, head_coverage=m.head_coverage)
 
-    def _check_torchft(self) -> None:
-        """What train.fault_tolerance=torchft can carry with Ray 2.60 and torchft 0.2 (train/ft.py)."""
-        g, t = self.grid, self.train
+    def torchft_cannot_carry(self) -> tuple[str, str] | None:
+        """What of this job train.fault_tolerance=torchft cannot carry with Ray 2.60 and torchft 0.2
+        (train/ft.py): (the field, why), or None."""
+        g, t, m = self.grid, self.train, self.model
         if g.min_world_size is not None and g.min_world_size != g.world_size:
-            raise ConfigError(
-                f"grid.min_world_size: elastic jobs are not supported with train.fault_tolerance=torchft: Ray 2.60 "
-                f"replaces failed replica groups only at a fixed worker count (a resize restarts every worker); "
-                f"leave it null (or {g.world_size}), or use train.fault_tolerance=restart")
+            return ("grid.min_world_size", f"elastic jobs are not supported with train.fault_tolerance=torchft: Ray "
+                    f"2.60 replaces failed replica groups only at a fixed worker count (a resize restarts every "
+                    f"worker); leave it null (or {g.world_size})")
         if g.delayed_moment_sync:
-            raise ConfigError("grid.delayed_moment_sync: not supported with train.fault_tolerance=torchft (the "
-                              "replica sync goes through torchft's manager and commits with the step)")
-        for path, value in (("train.checkpoint_every", t.checkpoint_every), ("train.resume_from", t.resume_from)):
-            if value:
-                raise ConfigError(f"{path}: storage checkpoints are not written or read with "
-                                  f"train.fault_tolerance=torchft yet (a replacement heals from a live peer); "
-                                  f"leave it unset, or use train.fault_tolerance=restart")
+            return ("grid.delayed_moment_sync", "not supported with train.fault_tolerance=torchft (the replica sync "
+                    "goes through torchft's manager and commits with the step)")
+        if t.resume_from:
+            return ("train.resume_from", "not read with train.fault_tolerance=torchft yet (its live groups write "
+                    "storage checkpoints and read them within the job)")
+        if m.towers is not None:
+            return ("model.towers", "tower models are not supported with train.fault_tolerance=torchft (the DMT "
+                    "exchange is built over the whole grid, not one sharding group)")
+        return None
+
+    def _check_torchft(self, cannot: tuple[str, str] | None) -> None:
+        """train.fault_tolerance=torchft, written out, refuses what it cannot carry."""
+        if cannot is not None:
+            field_, why = cannot
+            raise ConfigError(f"{field_}: {why}; or use train.fault_tolerance=restart")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
@@ -502,14 +511,26 @@ class JobConfig:
     @property
     def checkpoint_every(self) -> int:
         """Steps between storage checkpoints: `train.checkpoint_every`, or when null the derived
-        cadence (`default_checkpoint_every`), and 0 for what writes none (tower models,
-        train.fault_tolerance=torchft). What the job runs with and logs as its param."""
+        cadence (`default_checkpoint_every`), and 0 for what writes none (tower models). What the
+        job runs with and logs as its param."""
         t = self.train
         if t.checkpoint_every is not None:
             return t.checkpoint_every
-        if self.model.towers is not None or t.fault_tolerance == "torchft":
+        if self.model.towers is not None:
             return 0
         return default_checkpoint_every(t.max_steps, self.grid.sync_every)
+
+    @property
+    def fault_tolerance(self) -> str:
+        """`train.fault_tolerance`, or when null: "torchft" where it serves the job and keeps it faster
+        (CPU workers, M >= 2, failures survived at all, nothing it cannot carry: the other groups
+        train on through a failure instead of every worker restarting), else "restart"."""
+        t = self.train
+        if t.fault_tolerance is not None:
+            return t.fault_tolerance
+        serves = (not t.use_gpu and self.grid.num_groups >= 2 and t.max_failures > 0
+                  and self.torchft_cannot_carry() is None)
+        return "torchft" if serves else "restart"
 
     @property
     def moment_scale(self) -> float:
@@ -534,7 +555,8 @@ class JobConfig:
 
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
-        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every, run_name) carry it."""
+        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every, fault_tolerance,
+        run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
@@ -543,6 +565,7 @@ class JobConfig:
                 "optim.moment_scale": self.moment_scale,
                 "train.precision": self.precision,
                 "train.checkpoint_every": self.checkpoint_every,
+                "train.fault_tolerance": self.fault_tolerance,
                 "tracking.run_name": self.run_name,
             })
         return flat

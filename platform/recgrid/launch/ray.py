@@ -374,12 +374,12 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         snapshot_every_syncs=t.snapshot_every_syncs,
         # torchft: the sharding groups rendezvous in stores that outlive every worker (train/ft.py)
         group_stores=ShardingGroupStores.options(scheduling_strategy=here).remote()
-        if t.fault_tolerance == "torchft" else None,
+        if config.fault_tolerance == "torchft" else None,
     )
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
     trainer = TorchTrainer(
-        train_loop_per_worker=restart_worker if t.fault_tolerance == "restart" else torchft_worker,
+        train_loop_per_worker=restart_worker if config.fault_tolerance == "restart" else torchft_worker,
         train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
         scaling_config=ScalingConfig(
             num_workers=workers,
@@ -401,7 +401,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
         + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
         + (", torchft: the other sharding groups keep training while a failed one is rebuilt and healed from a "
-           "live peer group" if t.fault_tolerance == "torchft" else ""))
+           "live peer group" if config.fault_tolerance == "torchft" else ""))
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
@@ -547,7 +547,7 @@ def torch_config(config: JobConfig) -> Any:
     from recgrid.engine.device import device_type_for, process_group_backend
 
     backend = process_group_backend(device_type_for(config.train.use_gpu))
-    if config.train.fault_tolerance == "torchft":
+    if config.fault_tolerance == "torchft":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
         return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},

@@ -183,10 +183,15 @@ class Checkpointer:
     multiple of K; 0: none), the loop calls `maybe_save(step)` after every step.
     `before_save(step)` runs first on every worker (the workers sitting out an elastic grid join
     Ray Train's report), `after_save(step, path)` once it is written.
+
+    `reports=False` (torchft's live groups: one sharding group writes while the others train, and
+    Ray Train's report is a barrier over every worker) writes under Ray Train's storage without
+    reporting; the caller keeps the job's CHECKPOINTS_KEPT newest (`delete`).
     """
 
     root: str | None = None
     ray_storage: bool = False
+    reports: bool = True
     every: int = 0
     trainer: "Trainer | None" = None
     before_save: Callable[[int], None] | None = None
@@ -227,9 +232,23 @@ class Checkpointer:
         step = trainer.state.step
         path = self.path_for(step)
         dcp.save(trainer.state_dict(), storage_writer=_writer(path), process_group=trainer.groups.global_pg)
-        if self.ray_storage:
+        if self.ray_storage and self.reports:
             report_checkpoint(path, step, metrics or {})
         return path
+
+    @staticmethod
+    def delete(path: str) -> None:
+        """Remove the checkpoint directory at `path` (a local path or a URI); gone already is fine."""
+        if _is_uri(path):
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(path)
+            if fs.exists(p):
+                fs.rm(p, recursive=True)
+            return
+        import shutil
+
+        shutil.rmtree(path.removeprefix("file://"), ignore_errors=True)
 
     def load(self, trainer: "Trainer", path: str) -> int:
         """Load the checkpoint at `path` into `trainer` (collective; resharding to the trainer's

@@ -22,7 +22,9 @@ events):
 - with torchft, each sharding group's progress (`group_progress`): the step and data cursor of
   its newest committed round, noted by the group's shard rank 0 after every commit, so a rebuilt
   group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
-  fast the groups that kept training went meanwhile.
+  fast the groups that kept training went meanwhile; each group's cursor at the job's storage
+  checkpoint steps is kept too (`cursors_at`), and a restore from a storage checkpoint sets every
+  group back to it (`rewind_groups`).
 
 Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
 """
@@ -34,6 +36,7 @@ from typing import Any
 
 HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
 GROUP_HISTORY = 2000  # commits kept per sharding group (torchft): enough to cover a recovery's seconds
+PINS_KEPT = 4  # storage checkpoint steps whose group cursors are kept (torchft); a job keeps its 2 newest checkpoints
 # the stop codes the workers agree on (`Trainer.fit`, `FitHooks.stop_requested`): 0 trains on
 STOP_FINISH = 1  # end at the next logging interval, as if max_steps were reached (final evaluation included)
 STOP_NOW = 2  # an interrupt: end at the next stop check, no evaluation
@@ -52,6 +55,8 @@ class JobControlImpl:
         self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
+        self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
+        self.rewinds: list[dict[str, Any]] = []  # torchft: restores from a storage checkpoint that set groups back
 
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
@@ -107,13 +112,50 @@ class JobControlImpl:
         claimed.add(step)
         return True
 
-    def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float) -> None:
+    def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
+                       checkpoint_every: int = 0) -> None:
         """Sharding group `group` committed `step`; its data cursor is `cursor` (torchft: `train.ft`).
-        The last GROUP_HISTORY commits' (time, step) are kept for the recovery's rates."""
+        The last GROUP_HISTORY commits' (time, step) are kept for the recovery's rates, and the
+        group's cursor at every storage checkpoint step (a multiple of `checkpoint_every`) it
+        committed or was away for (then its cursor stood where its last commit left it)."""
         g = self.groups.setdefault(group, {"history": []})
+        if checkpoint_every:
+            before, kept = g.get("step", 0), g.get("cursor")
+            for s in range(before // checkpoint_every * checkpoint_every + checkpoint_every, step, checkpoint_every):
+                self.pins.setdefault(s, {})[group] = kept  # away at s (None: before its first commit)
+            if step % checkpoint_every == 0:
+                self.pins.setdefault(step, {})[group] = cursor
+            for s in sorted(self.pins)[:-PINS_KEPT]:
+                del self.pins[s]
         g.update(step=step, cursor=cursor, at=when)
         g["history"].append((when, step))
         del g["history"][:-GROUP_HISTORY]
+
+    def cursors_at(self, step: int) -> dict[int, dict[str, Any] | None]:
+        """Every sharding group's data cursor at storage checkpoint step `step` (None: the start of
+        its parts): pinned when it committed that step or moved past it, else its newest (it has
+        not got that far)."""
+        pinned = self.pins.get(step, {})
+        return {g: pinned[g] if g in pinned else p.get("cursor") if p.get("step", 0) <= step else None
+                for g, p in self.groups.items()}
+
+    def rewind_groups(self, step: int, group: int) -> tuple[dict[int, dict[str, Any] | None], dict[str, Any] | None]:
+        """Sharding group `group` restored the storage checkpoint of `step`: every group goes back to
+        its cursor there (`cursors_at`; a group rebuilt later reads on from it). Returns the cursors
+        and, for the call that set a group back (one per restore: the groups restoring with it find
+        nothing left ahead), the rewind: from which step, when, by which group."""
+        cursors = self.cursors_at(step)
+        ahead = max((p.get("step", 0) for p in self.groups.values()), default=0)
+        rewind = None
+        if ahead > step:
+            rewind = {"to": step, "from": ahead, "at": time.time(), "group": group}
+            self.rewinds.append(rewind)
+        for g, p in self.groups.items():
+            if p.get("step", 0) > step:
+                p.update(step=step, cursor=cursors[g])
+        for s in [s for s in self.pins if s > step]:
+            del self.pins[s]
+        return cursors, rewind
 
     def group_status(self, group: int | None = None) -> dict[Any, Any]:
         """Every sharding group's newest commit (or `group`'s: {} before its first)."""

@@ -56,8 +56,19 @@ own cursor: shard rank 0 notes its group's step and cursor with job control afte
 (`train.control.JobControl.group_progress`), and a rebuilt group reads on from its own newest
 note, so its rows for the rounds it was away are read later, not skipped; it trails the other
 groups in the epoch by that many batches. (At most the batches of its last uncommitted rounds are
-read twice.) If every group fails at once, Ray Train restarts them all and, with no storage
-checkpoints on this path yet, training starts again from step 0.
+read twice.)
+
+Storage checkpoints (`StorageFallback`), for when no live group is left to heal from (every group
+lost at once, which Ray Train answers by restarting every worker, or M = 1): the live group of
+quorum rank 0 writes one at the job's cadence (`train.checkpoint_every`, derived by default), over
+its own L workers, after the committed sync step's tables landed: one whole model copy, the same
+form as the restart path's (it loads at any M or L). Nothing is reported to Ray Train (its report
+is a barrier over every worker, and the other groups are training meanwhile); the job's recovery
+coordinator keeps the list, and the writer deletes all but the newest CHECKPOINTS_KEPT. A group
+whose first quorum finds nobody ahead of step 0 reads the newest checkpoint, if there is one,
+and every group's data cursor goes back to where it stood at that step (job control pins them,
+`JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without a
+checkpoint the job starts again from step 0, and says so.
 
 Who logs, evaluates and records the recoveries is the worker's business
 (`train.worker.ReplicaReport`, told of each quorum and commit through `ReplicaListener`).
@@ -249,16 +260,20 @@ def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tu
     with it fail at once instead of at their timeout): shard rank s of its sharding group's L (the group's manager
     server on shard rank 0, found through the generation's store), gloo (NCCL on a GPU:
     `engine.device.process_group_backend`) across groups, heals over the same process group
-    (`PGTransport`), a quorum of at least one live group, every round synchronous (a heal lands
-    before the forward pass, and a peer's state is read while it waits)."""
+    (`PGTransport`) only a group behind the others (no step-0 sync: the groups start alike), a
+    quorum of at least one live group, every round synchronous (a heal lands before the forward
+    pass, and a peer's state is read while it waits)."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
     timeout = timedelta(seconds=TIMEOUT_S)
     kind = {"nccl": ProcessGroupNCCL, "gloo": ProcessGroupGloo}[process_group_backend(device.type)]
     pg = kind(timeout=timeout)
+    # init_sync off: every group builds the same model from the job's seed, and torchft's step-0 sync heals
+    # shard ranks from different groups (its sources are spread by shard rank), so one worker of a group
+    # would load a peer's state while its group-mate does not
     return Manager(pg=pg, load_state_dict=heal.load, state_dict=heal.state_dict, min_replica_size=1,
-                   use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+                   use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
                    connect_timeout=timedelta(seconds=GROUP_START_S),
                    world_size=group.size, rank=group.shard, store_addr=group.host, store_port=group.port,
                    replica_id=f"recgrid_g{group.group}",
@@ -286,6 +301,7 @@ class HealTransport:
                  own_cursor: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self.trainer, self.replica, self.own_cursor = trainer, replica, own_cursor
         self.heals: list[dict[str, Any]] = []  # heals of this replica, newest last
+        self.restored: dict[str, Any] | None = None  # a restore from a storage checkpoint (`StorageFallback`)
         self.unseen_heal = False  # set by `load`, cleared by the component (the data cursor moved)
         self.sent = 0  # heals this replica sent to a peer (`state_dict`)
 
@@ -308,6 +324,54 @@ class HealTransport:
         self.unseen_heal = True
 
 
+class StorageFallback:
+    """Storage checkpoints under torchft (the module docstring): `maybe_save` after every committed
+    step (the live group of quorum rank 0 writes at the job's checkpoint steps), `restore` at a
+    group's first quorum when nobody is ahead of step 0."""
+
+    def __init__(self, checkpointer: Any, control: Any, coordinator: Any, group: int, shard: int) -> None:
+        self.checkpointer, self.control, self.coordinator = checkpointer, control, coordinator
+        self.group, self.shard = group, shard
+
+    def maybe_save(self, step: int, writes: bool) -> None:
+        """At a checkpoint step, the live group of quorum rank 0 (`writes`) writes one (collective
+        over its workers); its shard rank 0 lists it with the coordinator and deletes the older ones."""
+        import ray
+
+        from recgrid.train.checkpoint import CHECKPOINTS_KEPT
+
+        c = self.checkpointer
+        if not c.every or step % c.every or not writes:
+            return
+        path = c.maybe_save(step)
+        if self.shard != 0 or path is None:
+            return
+        ray.get(self.coordinator.checkpoint_written.remote(step, path))
+        written = ray.get(self.coordinator.status.remote())["checkpoints"]
+        for old in written[:-CHECKPOINTS_KEPT]:
+            c.delete(old)
+
+    def restore(self, trainer: Trainer) -> dict[str, Any] | None:
+        """Load the job's newest storage checkpoint, if any (collective over the sharding group:
+        shard rank 0 picks it), and set this group's data cursor to where it stood at that step."""
+        import ray
+        import torch.distributed as dist
+
+        box = [ray.get(self.coordinator.latest_checkpoint.remote()) if self.shard == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        path = box[0]
+        if path is None:
+            return None
+        t0 = time.time()
+        step = self.checkpointer.load(trainer, path)
+        cursors, rewind = ray.get(self.control.rewind_groups.remote(step, self.group))
+        cursor = cursors.get(self.group)
+        trainer.state.cursor.load_state_dict(cursor if cursor is not None
+                                             else type(trainer.state.cursor)().state_dict())
+        return {"path": path, "step": step, "load_s": time.time() - t0, "at": time.time(), "rewind": rewind}
+
+
 class ReplicaListener(Protocol):
     """What the worker hears from the component."""
 
@@ -324,9 +388,11 @@ class TorchftReplicas(Replicas):
     rounds_talk = True  # every round asks the quorum, every commit too: charged to "sync"
 
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener,
-                 group_size: int = 1) -> None:
+                 group_size: int = 1, fallback: StorageFallback | None = None) -> None:
         super().__init__(trainer)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
+        self.fallback = fallback
+        self._first_round = True
         self.live: int | None = None  # live sharding groups in the current quorum
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
@@ -337,6 +403,9 @@ class TorchftReplicas(Replicas):
         # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
         self._group_meets()
         self.manager.start_quorum()  # heals this replica here when it is behind
+        if self._first_round:
+            self._first_round = False
+            self._maybe_restore()
         live = self.manager.num_participants()
         t = self.trainer
         c = moment_scale_for(live, t.config.moment_scale)
@@ -354,6 +423,21 @@ class TorchftReplicas(Replicas):
             self.heal.unseen_heal = False
             return "reload"
         return "train"
+
+    def _maybe_restore(self) -> None:
+        """At this group's first quorum: nobody ahead of step 0 (no heal) means every group was lost
+        (or M = 1): the newest storage checkpoint, if any, and the manager's step with it."""
+        if self.fallback is None or self.heal.unseen_heal or self.manager.current_step() != 0:
+            return
+        restored = self.fallback.restore(self.trainer)
+        if restored is None:
+            return
+        self.manager.load_state_dict({"step": restored["step"], "batches_committed": self.manager.batches_committed()})
+        self.heal.restored = restored
+        self.heal.unseen_heal = True  # the state and the data cursor changed: the loop reloads
+        if self.fallback.shard == 0:
+            self.listener.say(f"sharding group {self.heal.replica}: no live group ahead; restored the storage "
+                              f"checkpoint of step {restored['step']} ({restored['path']})")
 
     def commit(self, step: int) -> bool:
         import torch

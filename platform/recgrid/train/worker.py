@@ -18,7 +18,8 @@ trainer (`train.trainer`: the one step loop) to the job's actors and components.
 
 `train_replica` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
 replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers; shard rank
-0 of the live group of quorum rank 0 logs, and `ReplicaReport` records each rebuilt group's heal.
+0 of the live group of quorum rank 0 logs, that group writes the storage checkpoints
+(`train.ft.StorageFallback`), and `ReplicaReport` records each rebuilt group's heal or restore.
 """
 
 from __future__ import annotations
@@ -249,7 +250,8 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
     import ray
     import torch.distributed as dist
 
-    from recgrid.train.ft import HealTransport, ShardingGroup, TorchftReplicas, make_manager
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.ft import HealTransport, ShardingGroup, StorageFallback, TorchftReplicas, make_manager
 
     control, L, world = job.control, job.group_size, job.max_world_size
     rank, g, s = coords.rank, coords.sharding_group, coords.shard_rank
@@ -277,14 +279,21 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
                                         f"generation@{time.time():.3f}": group.generation})
     if not replacement:
         _wait_for_peers(control, world)
-    trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L)
+    # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
+    fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
+                                            trainer=trainer), control, job.recovery, g, s)
+    replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback)
 
     def note_progress(step: int) -> None:  # a rebuilt group reads on from its own cursor (train.ft)
         if s == 0:
-            control.group_progress.remote(g, step, trainer.state.cursor.state_dict(), time.time())
+            control.group_progress.remote(g, step, trainer.state.cursor.state_dict(), time.time(),
+                                          job.checkpoint_every)
 
-    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None, after_step=[note_progress, report.step],
-                     stop_requested=StopPoll(control))
+    def checkpoint(step: int) -> None:
+        fallback.maybe_save(step, writes=replicas.evaluates())
+
+    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None,
+                     after_step=[note_progress, checkpoint, report.step], stop_requested=StopPoll(control))
     broke_at = None
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
@@ -557,7 +566,8 @@ class ReplicaReport:
     """A torchft worker's side of logging and recovery events (`train.ft.ReplicaListener`): shard
     rank 0 of the live sharding group of quorum rank 0 logs through a `Reporter` (it changes when
     that group fails), logs `grid/num_groups` whenever the live group count changes, and logs the
-    recovery events that rebuilt groups record (`recovery/count`, `recovery/source` = peer,
+    recovery events that rebuilt groups record (`recovery/count`, `recovery/source` = peer, or
+    storage when no live group was left (`train.ft.StorageFallback`),
     `recovery/seconds`: the controller seeing the failure -> the rebuilt group's first committed
     step, the groups that kept training and their QPS meanwhile). In Ray Train's terms, an
     attempt here is one worker's start (Ray's replica groups are single workers)."""
@@ -593,7 +603,8 @@ class ReplicaReport:
         the job (they noted their final step): nothing is left to train."""
         import ray
 
-        if not self.replacement or self.first_step_done or (self.heal.heals and self.heal.heals[-1]["step"] > 0):
+        if (not self.replacement or self.first_step_done or self.heal.restored
+                or (self.heal.heals and self.heal.heals[-1]["step"] > 0)):
             return False
         attempts = ray.get(self.control.status.remote())["attempts"]
         if not any("final_step" in w for a in attempts for w in a["workers"].values()):
@@ -657,14 +668,26 @@ class ReplicaReport:
         back, and what the groups that kept training did meanwhile."""
         import ray
 
-        if not self.replacement or self.shard != 0:
+        restored = self.heal.restored
+        # a storage restore is recorded by the worker whose restore set the groups back (one per restore)
+        if not self.replacement or (self.shard != 0 if restored is None else restored["rewind"] is None):
             return
         now = time.time()
         detected = self._failure_seen()
         heal = self.heal.heals[-1] if self.heal.heals else None
-        if heal is None or heal["step"] == 0:
-            event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one: training starts "
-                                                          "again from step 0 (no storage checkpoints with torchft)"}
+        steps_lost = 0
+        if restored is not None:
+            rewind = restored["rewind"]
+            steps_lost = rewind["from"] - restored["step"]
+            event = {"source": "storage", "step": restored["step"], "restore_s": restored["load_s"],
+                     "why": f"no live sharding group ahead of step 0: every group restored the storage checkpoint of "
+                            f"step {restored['step']}, and its data cursor from there ({steps_lost} steps trained "
+                            f"again)", "detail": restored["path"]}
+            heal = {"at": restored["at"]}
+        elif heal is None or heal["step"] == 0:
+            steps_lost = self.before.get("step") or 0
+            event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one and no storage "
+                                                          "checkpoint written yet: training starts again from step 0"}
         else:
             event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"],
                      "digest": heal["digest"], "source_digest": heal["source_digest"],
@@ -674,7 +697,7 @@ class ReplicaReport:
                      "detail": f"group {self.group} from group {heal['from']}"}
         event.update(self._survivors(detected, now))
         event.update(attempt=self.attempt, sharding_group=self.group, pid=os.getpid(),
-                     failure_step=self.before.get("step"), steps_lost=0,
+                     failure_step=self.before.get("step"), steps_lost=steps_lost,
                      t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
                      t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
                      num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
