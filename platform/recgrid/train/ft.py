@@ -273,7 +273,8 @@ def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tu
     # shard ranks from different groups (its sources are spread by shard rank), so one worker of a group
     # would load a peer's state while its group-mate does not
     return Manager(pg=pg, load_state_dict=heal.load, state_dict=heal.state_dict, min_replica_size=1,
-                   use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+                   use_async_quorum=False, init_sync=False, timeout=timeout,
+                   quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
                    connect_timeout=timedelta(seconds=GROUP_START_S),
                    world_size=group.size, rank=group.shard, store_addr=group.host, store_port=group.port,
                    replica_id=f"recgrid_g{group.group}",

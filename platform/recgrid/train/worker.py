@@ -680,9 +680,9 @@ class ReplicaReport:
             rewind = restored["rewind"]
             steps_lost = rewind["from"] - restored["step"]
             event = {"source": "storage", "step": restored["step"], "restore_s": restored["load_s"],
-                     "why": f"no live sharding group ahead of step 0: every group restored the storage checkpoint of "
-                            f"step {restored['step']}, and its data cursor from there ({steps_lost} steps trained "
-                            f"again)", "detail": restored["path"]}
+                     "why": f"no live sharding group ahead of step 0: the storage checkpoint of step "
+                            f"{restored['step']} restored, every group's data cursor set back there ({steps_lost} "
+                            f"steps trained again)", "detail": restored["path"]}
             heal = {"at": restored["at"]}
         elif heal is None or heal["step"] == 0:
             steps_lost = self.before.get("step") or 0
