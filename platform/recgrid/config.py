@@ -374,8 +374,9 @@ class JobConfig:
                 raise ConfigError(f"train.resume_from: {t.resume_from} is not a storage checkpoint directory "
                                   f"(no .metadata in it)")
         _at_least("data.rows_per_unit", d.rows_per_unit, 1)
-        if t.fault_tolerance == "torchft":
-            self._check_torchft(self.torchft_cannot_carry())
+        cannot = self.torchft_cannot_carry() if t.fault_tolerance == "torchft" else None
+        if cannot is not None:  # written out, torchft refuses what it cannot carry
+            raise ConfigError(f"{cannot[0]}: {cannot[1]}; or use train.fault_tolerance=restart")
 
         _positive("optim.lr", o.lr)
         _positive("optim.eps", o.eps)
@@ -458,12 +459,6 @@ class JobConfig:
             return ("model.towers", "tower models are not supported with train.fault_tolerance=torchft (the DMT "
                     "exchange is built over the whole grid, not one sharding group)")
         return None
-
-    def _check_torchft(self, cannot: tuple[str, str] | None) -> None:
-        """train.fault_tolerance=torchft, written out, refuses what it cannot carry."""
-        if cannot is not None:
-            field_, why = cannot
-            raise ConfigError(f"{field_}: {why}; or use train.fault_tolerance=restart")
 
     # ---- derived values -------------------------------------------------------------------------
     @property

@@ -56,7 +56,6 @@ class JobControlImpl:
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
-        self.rewinds: list[dict[str, Any]] = []  # torchft: restores from a storage checkpoint that set groups back
 
     def begin_attempt(self, world_size: int) -> int:
         self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
@@ -139,23 +138,17 @@ class JobControlImpl:
         return {g: pinned[g] if g in pinned else p.get("cursor") if p.get("step", 0) <= step else None
                 for g, p in self.groups.items()}
 
-    def rewind_groups(self, step: int, group: int) -> tuple[dict[int, dict[str, Any] | None], dict[str, Any] | None]:
-        """Sharding group `group` restored the storage checkpoint of `step`: every group goes back to
-        its cursor there (`cursors_at`; a group rebuilt later reads on from it). Returns the cursors
-        and, for the call that set a group back (one per restore: the groups restoring with it find
-        nothing left ahead), the rewind: from which step, when, by which group."""
+    def rewind_groups(self, step: int) -> dict[int, dict[str, Any] | None]:
+        """A sharding group restored the storage checkpoint of `step`: every group goes back to its
+        cursor there (`cursors_at`; a group rebuilt later reads on from it). Returns the cursors (the
+        same to every group restoring it)."""
         cursors = self.cursors_at(step)
-        ahead = max((p.get("step", 0) for p in self.groups.values()), default=0)
-        rewind = None
-        if ahead > step:
-            rewind = {"to": step, "from": ahead, "at": time.time(), "group": group}
-            self.rewinds.append(rewind)
         for g, p in self.groups.items():
             if p.get("step", 0) > step:
                 p.update(step=step, cursor=cursors[g])
         for s in [s for s in self.pins if s > step]:
             del self.pins[s]
-        return cursors, rewind
+        return cursors
 
     def group_status(self, group: int | None = None) -> dict[Any, Any]:
         """Every sharding group's newest commit (or `group`'s: {} before its first)."""

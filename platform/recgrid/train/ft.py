@@ -333,24 +333,26 @@ class StorageFallback:
     def __init__(self, checkpointer: Any, control: Any, coordinator: Any, group: int, shard: int) -> None:
         self.checkpointer, self.control, self.coordinator = checkpointer, control, coordinator
         self.group, self.shard = group, shard
+        checkpointer.after_save = self.written
 
     def maybe_save(self, step: int, writes: bool) -> None:
         """At a checkpoint step, the live group of quorum rank 0 (`writes`) writes one (collective
-        over its workers); its shard rank 0 lists it with the coordinator and deletes the older ones."""
+        over its workers; the checkpointer owns the cadence)."""
+        if writes:
+            self.checkpointer.maybe_save(step)
+
+    def written(self, step: int, path: str) -> None:
+        """The checkpointer's `after_save`: shard rank 0 lists the checkpoint with the coordinator
+        and deletes all but the job's CHECKPOINTS_KEPT newest."""
         import ray
 
         from recgrid.train.checkpoint import CHECKPOINTS_KEPT
 
-        c = self.checkpointer
-        if not c.every or step % c.every or not writes:
-            return
-        path = c.maybe_save(step)
-        if self.shard != 0 or path is None:
+        if self.shard != 0:
             return
         ray.get(self.coordinator.checkpoint_written.remote(step, path))
-        written = ray.get(self.coordinator.status.remote())["checkpoints"]
-        for old in written[:-CHECKPOINTS_KEPT]:
-            c.delete(old)
+        for old in ray.get(self.coordinator.status.remote())["checkpoints"][:-CHECKPOINTS_KEPT]:
+            self.checkpointer.delete(old)
 
     def restore(self, trainer: Trainer) -> dict[str, Any] | None:
         """Load the job's newest storage checkpoint, if any (collective over the sharding group:
@@ -366,11 +368,10 @@ class StorageFallback:
             return None
         t0 = time.time()
         step = self.checkpointer.load(trainer, path)
-        cursors, rewind = ray.get(self.control.rewind_groups.remote(step, self.group))
-        cursor = cursors.get(self.group)
+        cursor = ray.get(self.control.rewind_groups.remote(step)).get(self.group)
         trainer.state.cursor.load_state_dict(cursor if cursor is not None
                                              else type(trainer.state.cursor)().state_dict())
-        return {"path": path, "step": step, "load_s": time.time() - t0, "at": time.time(), "rewind": rewind}
+        return {"path": path, "step": step, "load_s": time.time() - t0, "at": time.time()}
 
 
 class ReplicaListener(Protocol):
@@ -393,8 +394,7 @@ class TorchftReplicas(Replicas):
         super().__init__(trainer)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
         self.fallback = fallback
-        self._first_round = True
-        self.live: int | None = None  # live sharding groups in the current quorum
+        self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
 
@@ -404,8 +404,7 @@ class TorchftReplicas(Replicas):
         # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
         self._group_meets()
         self.manager.start_quorum()  # heals this replica here when it is behind
-        if self._first_round:
-            self._first_round = False
+        if self.live is None:  # this group's first quorum
             self._maybe_restore()
         live = self.manager.num_participants()
         t = self.trainer

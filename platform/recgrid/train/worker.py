@@ -668,22 +668,20 @@ class ReplicaReport:
         back, and what the groups that kept training did meanwhile."""
         import ray
 
-        restored = self.heal.restored
-        # a storage restore is recorded by the worker whose restore set the groups back (one per restore)
-        if not self.replacement or (self.shard != 0 if restored is None else restored["rewind"] is None):
+        if not self.replacement or self.shard != 0:
             return
         now = time.time()
         detected = self._failure_seen()
-        heal = self.heal.heals[-1] if self.heal.heals else None
+        heal, restored = self.heal.heals[-1] if self.heal.heals else None, self.heal.restored
+        t_heal = heal["at"] if heal else None
         steps_lost = 0
-        if restored is not None:
-            rewind = restored["rewind"]
-            steps_lost = rewind["from"] - restored["step"]
+        if restored is not None:  # the group's commits after the checkpoint are trained again
+            steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
             event = {"source": "storage", "step": restored["step"], "restore_s": restored["load_s"],
                      "why": f"no live sharding group ahead of step 0: the storage checkpoint of step "
                             f"{restored['step']} restored, every group's data cursor set back there ({steps_lost} "
                             f"steps trained again)", "detail": restored["path"]}
-            heal = {"at": restored["at"]}
+            t_heal = restored["at"]
         elif heal is None or heal["step"] == 0:
             steps_lost = self.before.get("step") or 0
             event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one and no storage "
@@ -699,7 +697,7 @@ class ReplicaReport:
         event.update(attempt=self.attempt, sharding_group=self.group, pid=os.getpid(),
                      failure_step=self.before.get("step"), steps_lost=steps_lost,
                      t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
-                     t_heal=heal["at"] if heal else None, t_first_step=now, seconds=now - detected,
+                     t_heal=t_heal, t_first_step=now, seconds=now - detected,
                      num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
         ray.get(self.coordinator.record.remote(event))
 
