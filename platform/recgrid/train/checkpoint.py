@@ -22,9 +22,12 @@ Reading is restricted to data. A checkpoint directory on a shared volume holds w
 who can write there put in it, and DCP unpickles two things from it: the `.metadata` file
 (`pickle.load`, which calls any callable the file names) and the non-tensor entries
 (`torch.load(weights_only=False)`). `load` reads `.metadata` with an unpickler that admits only
-DCP's metadata classes and the torch types they carry (`METADATA_GLOBALS`), and the non-tensor
-entries with `torch.load(weights_only=True)` (recgrid writes them as JSON strings and plain
-tensors); a file that names anything else is refused with its path and the name.
+an exact list of DCP's metadata classes and the torch types they carry (`METADATA_GLOBALS`: no
+module, no namespace, nothing that hands out one), refuses a BUILD onto a class, module or function,
+and refuses metadata whose storage entries point outside the checkpoint's directory; the
+non-tensor entries are read with `torch.load(weights_only=True)` (recgrid writes them as JSON
+strings and plain tensors). A file that names anything else is refused with its path and the name.
+(torch's weights-only unpickler cannot read `.metadata`: it stops at protocol 4's FRAME opcode.)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import functools
 import os
 import pickle
 import re
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -68,45 +72,93 @@ def _writer(path: str) -> Any:
     return dcp.FileSystemWriter(path.removeprefix("file://"))
 
 
-# What a checkpoint's `.metadata` may name when it is unpickled: (module, name) pairs, "*" for
-# every name of a module. DCP's metadata classes, the path and the storage info its filesystem
-# writer records, and the torch types they carry (dtypes are admitted by `_metadata_global`).
-METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
-    ("torch.distributed.checkpoint.metadata", "*"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-})
+# What a checkpoint's `.metadata` may name when it is unpickled: exact (module, name) pairs, read off the
+# `.metadata` files torch 2.13's DCP writes (DCP's metadata classes, the path and storage info its
+# filesystem writer records, the torch types they carry). None is a module, a namespace or a callable
+# that builds anything but its own plain value.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+TORCH_DTYPES = frozenset({
+    "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128", "complex32", "complex64",
+    "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu", "int1", "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64",
+    "int7", "int8", "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1", "uint16", "uint2", "uint3",
+    "uint32", "uint4", "uint5", "uint6", "uint64", "uint7", "uint8"})  # as a dtype pickles: torch.<canonical name>
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {(_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                        "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+       ("collections", "OrderedDict")}
+    | {("torch", name) for name in TORCH_DTYPES})
+
+# bound at import: the checks below call nothing a pickle being read could have rebound
+_isinstance, _id, _type = isinstance, id, type
+_NOT_BUILDABLE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 class CheckpointRefused(pickle.UnpicklingError):
     """A checkpoint whose metadata names something that is not checkpoint data."""
 
 
-def _metadata_global(path: str, module: str, name: str) -> Any:
+@functools.cache
+def _admitted() -> dict[tuple[str, str], Any]:
+    """`METADATA_GLOBALS` resolved, once, before any byte of a checkpoint is read."""
     import importlib
 
-    import torch
+    out = {}
+    for module, name in METADATA_GLOBALS:
+        value = getattr(importlib.import_module(module), name, _admitted)
+        if value is not _admitted:  # a dtype this torch build lacks is simply not admitted
+            out[(module, name)] = value
+    return out
 
-    if (module, name) in METADATA_GLOBALS or (module, "*") in METADATA_GLOBALS:
-        return getattr(importlib.import_module(module), name)
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
-    raise CheckpointRefused(f"{path}: the checkpoint's metadata names {module}.{name}, which is not checkpoint "
-                            f"data (a planted or foreign file?); refusing to load it")
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked
+    """Admits `METADATA_GLOBALS` only, and refuses a BUILD onto a class, module or function (it
+    would set attributes on an object the whole process shares)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, stream: Any, path: str) -> None:
+        super().__init__(stream)
+        self._path = path
+        self._admitted = _admitted()
+        self._handed_out = frozenset(_id(v) for v in self._admitted.values())
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = self._admitted.get((module, name), _MetadataUnpickler)
+        if value is _MetadataUnpickler:
+            raise CheckpointRefused(f"{self._path}: the checkpoint's metadata names {module}.{name}, which is not "
+                                    f"checkpoint data (a planted or foreign file?); refusing to load it")
+        return value
+
+    def _load_build(self) -> None:
+        target = self.stack[-2]
+        if _id(target) in self._handed_out or _isinstance(target, _NOT_BUILDABLE):
+            raise CheckpointRefused(f"{self._path}: the checkpoint's metadata sets attributes on "
+                                    f"{_type(target).__name__} {getattr(target, '__name__', '')} (a planted "
+                                    f"or foreign file?); refusing to load it")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def load_metadata(stream: Any, path: str) -> Any:
-    """Unpickle a checkpoint's `.metadata` from `stream`, admitting only `METADATA_GLOBALS`."""
-
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            return _metadata_global(path, module, name)
-
-    return Restricted(stream).load()
+    """Unpickle a checkpoint's `.metadata` from `stream`, admitting only `METADATA_GLOBALS`: a DCP
+    `Metadata` whose storage entries name files inside the checkpoint directory, or `CheckpointRefused`."""
+    metadata = _MetadataUnpickler(stream, path).load()
+    admitted = _admitted()
+    if _type(metadata) is not admitted[(_DCP_METADATA, "Metadata")]:
+        raise CheckpointRefused(f"{path}: not a checkpoint's metadata (it holds a {_type(metadata).__name__}); "
+                                f"refusing to load it")
+    info, entries = admitted[("torch.distributed.checkpoint.filesystem", "_StorageInfo")], metadata.storage_data
+    for item in entries.values() if _type(entries) is dict else [None]:
+        rel = item.relative_path if _type(item) is info else None
+        if _type(rel) is not str or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+            raise CheckpointRefused(f"{path}: the checkpoint's metadata points outside its directory "
+                                    f"({rel!r}); refusing to load it")
+    return metadata
 
 
 @functools.cache
