@@ -27,9 +27,10 @@ T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the fin
 fixed-length torchft job with one worker killed against the failure-free run of the same seed, for
 each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`).
 
-The `failure_free` source runs the demo's shape with failures allowed and none happening, on both
-paths (restart and torchft, `--failure-free-reps` jobs each): their wall seconds and median QPS,
-what choosing torchft by default costs when nothing fails.
+The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
+jobs each): every mechanism off, failures allowed (`train.max_failures=2`, the rest derived), and the
+demo as shipped; their wall seconds and median QPS, and each one's QPS over the mechanism-free job's:
+what fault tolerance costs when nothing fails.
 
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
 sources only keeps the other sources' figures already in the file.
@@ -153,11 +154,23 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: in
             "survivors_qps_before": round(e.get("survivors_qps_before", 0.0), 1)}
 
 
+# what a failure-free job of the demo's shape runs with, per variant of `run_failure_free`
+FAILURE_FREE = {
+    # every mechanism off: no failure survived, no in-memory snapshot, no storage checkpoint
+    "off": ["train.max_failures=0", "train.fault_tolerance=restart", "train.snapshot_every_syncs=0",
+            "train.checkpoint_every=0"],
+    # failures survived, the rest derived (torchft for this shape, its storage checkpoints)
+    "failures_allowed": ["train.max_failures=2"],
+    # the demo as shipped (jobs/local_demo.yaml)
+    "demo": [],
+}
+
+
 def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
-    """What each failure path costs when nothing fails: the demo's shape (T=4, M=2, K=5, 400 steps
-    of 256 rows per worker, failures allowed), failure-free, `reps` jobs per path, alternating.
+    """What fault tolerance costs when nothing fails: the demo's shape (T=4, M=2, K=5, 400 steps
+    of 256 rows per worker), failure-free, `reps` jobs per variant of FAILURE_FREE, alternating.
     Per job: its wall seconds (start to end, evaluations included), the median of its logged
-    `train/qps` and its final eval NE. The derived default picks torchft for this shape."""
+    `train/qps` and its final eval NE; per variant, the median QPS over the mechanism-free job's."""
     import statistics
 
     from mlflow.tracking import MlflowClient
@@ -165,38 +178,50 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
     from recgrid.config import load_config
     from recgrid.launch.ray import run_job
 
-    jobs: dict[str, list[dict]] = {"restart": [], "torchft": []}
+    jobs: dict[str, list[dict]] = {name: [] for name in FAILURE_FREE}
+    paths = {}
     for rep in range(reps):
-        for path in jobs:
+        for name, overrides in FAILURE_FREE.items():
             config = load_config(REPO / "jobs/local_demo.yaml", [
                 f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",
-                "train.max_failures=1", f"train.fault_tolerance={path}", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
-                f"tracking.experiment=bench-failure-free-{model}", *MODELS[model]])
-            print(f"[bench] {model}: failure-free, {path}, job {rep + 1}/{reps} ...", file=sys.stderr, flush=True)
+                f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-failure-free-{model}",
+                *MODELS[model], *overrides])
+            paths[name] = {"fault_tolerance": config.fault_tolerance, "snapshot_every_syncs": config.snapshot_every_syncs,
+                           "checkpoint_every": config.checkpoint_every, "max_failures": config.train.max_failures}
+            print(f"[bench] {model}: failure-free, {name}, job {rep + 1}/{reps} ...", file=sys.stderr, flush=True)
             t0 = time.time()
             result = run_job(config, summary=False)
             wall = time.time() - t0
             assert result.status == "FINISHED", result.error
             qps = [m.value for m in MlflowClient(config.tracking.tracking_uri).get_metric_history(result.run_id,
                                                                                                    "train/qps")]
-            jobs[path].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
-                               "eval_ne": round(result.metrics["eval/ne"], 5)})
+            jobs[name].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
+                               "eval_ne": round(result.metrics["eval/ne"], 5), "load_avg_1m": round(os.getloadavg()[0], 2)})
     out: dict[str, Any] = {"configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "max_steps": 400,
-                                             "batch_size_per_worker": 256, "jobs_per_path": reps}, "jobs": jobs}
-    for path, runs in jobs.items():
-        out[path] = {"wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),
+                                             "batch_size_per_worker": 256, "jobs_per_variant": reps,
+                                             "variants": {n: {"overrides": FAILURE_FREE[n], **paths[n]} for n in jobs}},
+                           "jobs": jobs}
+    for name, runs in jobs.items():
+        out[name] = {"wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),
                      "median_qps": round(statistics.median(r["median_qps"] for r in runs), 1)}
-    out["torchft_over_restart_qps"] = round(out["torchft"]["median_qps"] / out["restart"]["median_qps"], 3)
+    for name in jobs:
+        if name != "off":
+            out[f"{name}_over_off_qps"] = round(out[name]["median_qps"] / out["off"]["median_qps"], 3)
     return out
 
 
 def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int, seeds: int) -> dict:
     """Final eval NE of torchft jobs with one worker killed against the failure-free runs of the same
     seeds, and the failure-free runs' spread over the seeds (the seed noise): T=4, M=2, `steps`
-    steps each, 8,000 eval rows."""
+    steps each, 8,000 eval rows. The training rows cover the job in one epoch: over a second pass
+    the eval NE of this data gets worse (from 0.614 at step 225 to 0.638 at step 300 on 120,000
+    rows, seed 0), and a killed job's rebuilt group, which trails the others by the steps it was
+    away, reads less of that pass, so a second epoch makes the kill look like a gain."""
     import statistics
 
-    evaluate = [f"data.eval={tmp}/data/{model}/eval/*.parquet", "data.synth_eval_rows=8000",
+    rows = -(-steps * 4 * 128 // 10_000) * 10_000 + 10_000
+    evaluate = [f"data.train={tmp}/data/{model}-{rows}/train/*.parquet", f"data.synth_rows={rows}",
+                f"data.eval={tmp}/data/{model}/eval/*.parquet", "data.synth_eval_rows=8000",
                 f"train.max_steps={steps}", "train.max_failures=1", "train.eval_every=0"]
     free, killed = {}, {}
     for seed in range(seeds):
@@ -209,7 +234,7 @@ def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int,
     diffs = [killed[k] - free[k] for k in free]
     noise = statistics.stdev(free.values()) if seeds > 1 else float("nan")
     mean_diff = statistics.fmean(diffs)
-    return {"steps": steps, "kill_after_step": kill_after_step, "seeds": seeds,
+    return {"steps": steps, "kill_after_step": kill_after_step, "seeds": seeds, "train_rows": rows,
             "eval_ne_failure_free": {str(k): round(v, 5) for k, v in free.items()},
             "eval_ne_with_kill": {str(k): round(v, 5) for k, v in killed.items()},
             "difference_per_seed": [round(d, 5) for d in diffs], "mean_difference": round(mean_diff, 5),
@@ -298,7 +323,7 @@ def main() -> None:
     ap.add_argument("--sources", default="peer,storage,torchft,failure_free",
                     help="restores from peer and storage (restart path), torchft, and failure_free: both paths' "
                          "wall seconds and QPS when nothing fails")
-    ap.add_argument("--failure-free-reps", type=int, default=2, help="failure_free: jobs per path")
+    ap.add_argument("--failure-free-reps", type=int, default=3, help="failure_free: jobs per variant")
     ap.add_argument("--kill-after-step", type=int, default=41,
                     help="kill once the job passed this step (the snapshot overhead is measured over the intervals before it)")
     ap.add_argument("--warm-storage", action="store_true",

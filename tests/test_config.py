@@ -270,6 +270,16 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
     assert path("train.max_failures=2", "model.towers=2") == "restart"
     assert path("train.max_failures=2", "train.fault_tolerance=restart") == "restart"
     assert path("train.max_failures=0", "train.fault_tolerance=torchft") == "torchft"
+
+    def snapshots(*o: str) -> int:  # in-memory snapshots only where one can ever be read
+        cfg = load_config(None, [*base, *o])
+        assert cfg.run_params()["train.snapshot_every_syncs"] == cfg.snapshot_every_syncs
+        return cfg.snapshot_every_syncs
+
+    assert snapshots() == 0  # the demo: no failure survived, nothing restores
+    assert snapshots("train.max_failures=2", "train.fault_tolerance=restart") == 1
+    assert snapshots("train.max_failures=2") == 0  # torchft heals from live peer groups
+    assert snapshots("train.snapshot_every_syncs=3") == 3
     with pytest.raises(ConfigError, match=r"^model\.towers: tower models are not supported with "
                                           r"train\.fault_tolerance=torchft .*; or use train\.fault_tolerance=restart$"):
         load_config(None, [*base, "model.towers=2", "train.fault_tolerance=torchft"])

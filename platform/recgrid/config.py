@@ -7,8 +7,8 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 `optim.lr: must be > 0, got -0.1`.
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
-properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`, `fault_tolerance`,
-`run_name`) from the
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`,
+`snapshot_every_syncs`, `fault_tolerance`, `run_name`) from the
 dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
 `c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
@@ -165,8 +165,8 @@ class TrainConfig:
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
     """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is rebuilt (Ray replaces the dead worker, its group-mates rebuild the group in place with it) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); no elastic resize, delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
-    snapshot_every_syncs: int = 1
-    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none."""
+    snapshot_every_syncs: int | None = None
+    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path, else 0 (a job that can never restore takes none, and torchft heals from live peer groups, not from snapshots)."""
     checkpoint_every: int | None = None
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. With train.fault_tolerance=torchft the live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
     storage_path: str | None = None
@@ -366,7 +366,8 @@ class JobConfig:
                 f"train.precision: {t.precision} needs GPU workers (train.use_gpu: true); CPU workers compute in "
                 f"fp32, leave it null or set fp32")
         _at_least("train.max_failures", t.max_failures, 0)
-        _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
+        if t.snapshot_every_syncs is not None:
+            _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
         self._check_checkpoints()
         _positive("train.resize_check_s", t.resize_check_s)
         if t.resume_from is not None and "://" not in t.resume_from:
@@ -516,6 +517,15 @@ class JobConfig:
         return default_checkpoint_every(t.max_steps, self.grid.sync_every)
 
     @property
+    def snapshot_every_syncs(self) -> int:
+        """Replica syncs between in-memory snapshots: `train.snapshot_every_syncs`, or when null 1
+        where a snapshot can ever be read (failures survived on the restart path), else 0."""
+        t = self.train
+        if t.snapshot_every_syncs is not None:
+            return t.snapshot_every_syncs
+        return 1 if t.max_failures > 0 and self.fault_tolerance == "restart" else 0
+
+    @property
     def fault_tolerance(self) -> str:
         """`train.fault_tolerance`, or when null: "torchft" where it serves the job and keeps it faster
         (CPU workers, M >= 2, failures survived at all, nothing it cannot carry: the other groups
@@ -550,8 +560,8 @@ class JobConfig:
 
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
-        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every, fault_tolerance,
-        run_name) carry it."""
+        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every,
+        snapshot_every_syncs, fault_tolerance, run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
@@ -560,6 +570,7 @@ class JobConfig:
                 "optim.moment_scale": self.moment_scale,
                 "train.precision": self.precision,
                 "train.checkpoint_every": self.checkpoint_every,
+                "train.snapshot_every_syncs": self.snapshot_every_syncs,
                 "train.fault_tolerance": self.fault_tolerance,
                 "tracking.run_name": self.run_name,
             })

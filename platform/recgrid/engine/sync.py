@@ -141,6 +141,13 @@ class SyncState:
         self.last = None if d["last"] is None else SyncRecord(int(d["last"][0]), float(d["last"][1]), int(d["last"][2]))
 
 
+def sync_step(step: int, sync_every: int) -> bool:
+    """Whether step `step` (1-based count of finished steps) ends a block of K = `sync_every`
+    steps: where the replicas are averaged, a snapshot or checkpoint may be taken, a torchft round
+    is voted on and an interrupt may stop. The one place K's cadence is decided."""
+    return step % sync_every == 0
+
+
 class ReplicaSync:
     """Keeps the M copies of every shard in step by averaging them every `sync_every` steps.
 
@@ -182,7 +189,7 @@ class ReplicaSync:
 
     def due(self, step: int) -> bool:
         """Whether a sync follows step `step` (1-based count of finished steps)."""
-        return self.enabled and step % self.sync_every == 0
+        return self.enabled and sync_step(step, self.sync_every)
 
     def maybe_sync(self, step: int) -> SyncRecord | None:
         return self.sync(step) if self.due(step) else None

@@ -371,7 +371,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
         run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
         rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
-        snapshot_every_syncs=t.snapshot_every_syncs,
+        snapshot_every_syncs=config.snapshot_every_syncs,
         # torchft: the sharding groups rendezvous in stores that outlive every worker (train/ft.py)
         group_stores=ShardingGroupStores.options(scheduling_strategy=here).remote()
         if config.fault_tolerance == "torchft" else None,

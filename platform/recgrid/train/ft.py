@@ -30,7 +30,10 @@ failed. recgrid builds the sharding groups on top, with public interfaces only
 This module is only the component the trainer's one loop calls (`Trainer.fit`, with
 `trainer.replicas = TorchftReplicas(...)`); what the loop does per round is the same as every
 path's, the component decides what differs:
-  1. `start_round`: `Manager.start_quorum()`, synchronous: the live groups agree on a quorum.
+  1. `start_round`: at the start of each block of K steps (and after a round that did not commit),
+     `Manager.start_quorum()`, synchronous: the live groups agree on a quorum. Inside a block no
+     round asks the lighthouse: the quorum of the block's start holds (a per-step quorum and
+     commit vote cost the demo's shape about a fifth of its throughput when nothing failed).
      A group behind the others (a rebuilt one) receives a live peer group's state over
      `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
      (`Trainer.snapshot()`, sent as `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad
@@ -40,12 +43,16 @@ path's, the component decides what differs:
      over the sharding group); FBGEMM's fused kernels update the embedding rows inside backward,
      as in every recgrid step, so these updates cannot wait for the commit (an uncommitted
      round's batch reaches its own group's tables, not the dense part).
-  3. `commit`: the dense gradients are averaged over the live groups through the manager;
-     every K steps the embedding weights and moments are averaged too, into a buffer (torchft's
-     LocalSGD idea); then `Manager.should_commit()` (agreed by the group's L workers). Only a
+  3. `commit`: the dense gradients are averaged over the live groups through the manager (every
+     step: the dense part stays data-parallel over every live worker); every K steps the
+     embedding weights and moments are averaged too, into a buffer (torchft's LocalSGD idea),
+     and the sync step is voted on (`Manager.should_commit()`, agreed by the group's L workers);
+     inside a block the group's L workers agree among themselves that no collective failed (one
+     small all-reduce over the group), and the manager's step follows the trainer's. Only a
      committed round's dense optimizer steps, its averaged tables land (`sync`) and the step
      count advances. A round that does not commit (a peer died inside it) is not a step: the
-     next round takes the next batch under the same step number.
+     next round takes the next batch under the same step number, after a quorum (a group left
+     behind by it heals there from a live peer).
   4. at logging steps the metric sums are reduced over the sharding group, then over the live
      groups (`reduce`), and a graceful stop is agreed as a maximum the same way (`agree_stop`),
      so every worker ends at the same step.
@@ -85,7 +92,7 @@ from typing import Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
-from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels
+from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels, sync_step
 from recgrid.train.control import LazyActor
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery import digest
@@ -97,7 +104,10 @@ QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout (60 s): a pe
 
 GROUP_START_S = 120  # how long a sharding group's members wait for each other (a rebuilt group: its replacements)
 MATE_BEAT_S = 0.2  # how often a worker of a sharding group of L > 1 beats in its generation's store
-MATE_TIMEOUT_S = 3.0  # a group-mate whose beat has not moved for this long is taken for dead
+# a group-mate whose beat has not moved for this long is taken for dead: long enough for a busy host's
+# scheduler (a 2-core machine at load 10 starved a live mate's beat thread past 3 s, and the job failed);
+# a mate that dies mid-step is seen sooner, by the step's failed collective (MATE_SILENT_S)
+MATE_TIMEOUT_S = 10.0
 MATE_SILENT_S = 1.0  # the same, once a step with the group has failed (a collective with a dead peer fails at once)
 COMMIT_TIMEOUT_S = 5  # the longest a commit vote waits for the group's workers (they vote within one step of each other)
 MATE_GRACE_S = COMMIT_TIMEOUT_S + 2.0  # after a mate is lost, how long the training thread gets to see its step fail
@@ -387,7 +397,7 @@ class TorchftReplicas(Replicas):
     """The trainer's replica component under torchft (the module docstring's rounds), for a
     worker of a sharding group of `group_size` workers (the default process group)."""
 
-    rounds_talk = True  # every round asks the quorum, every commit too: charged to "sync"
+    rounds_talk = True  # a block's first round asks the quorum, its sync step votes: charged to "sync"
 
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener,
                  group_size: int = 1, fallback: StorageFallback | None = None) -> None:
@@ -397,8 +407,12 @@ class TorchftReplicas(Replicas):
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
+        self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
 
     def start_round(self) -> str:
+        t = self.trainer
+        if self.live is not None and not self._meet_next and not sync_step(t.state.step, t.config.sync_every):
+            return "train"  # inside a block of K steps: no quorum (the module docstring, 1.)
         # torchft's manager server waits for every worker of the group at a quorum and a commit vote, and a
         # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
         # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
@@ -407,7 +421,6 @@ class TorchftReplicas(Replicas):
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
         live = self.manager.num_participants()
-        t = self.trainer
         c = moment_scale_for(live, t.config.moment_scale)
         if c != self.moment_scale:  # the fused kernels' lr and eps carry c (engine.optimizer)
             t.embedding_optimizer = opt = t.config.embedding_optimizer(live)
@@ -448,14 +461,21 @@ class TorchftReplicas(Replicas):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = self._average([p.grad for p in params]) if live > 1 else None
-        syncing = live > 1 and step % t.config.sync_every == 0
+        ends_block = sync_step(step, t.config.sync_every)
+        syncing = live > 1 and ends_block
         tables = self._average([x.detach().clone() for x in t.shard_tensors()]) if syncing else None
         for job in (grads, tables):
             if job is not None:
                 job()
-        # a group-mate that died before it voted would hold the vote until the manager's timeout
-        self._group_meets()
-        committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
+        if ends_block:  # a sync step: the live groups vote (the module docstring, 3.)
+            # a group-mate that died before it voted would hold the vote until the manager's timeout
+            self._group_meets()
+            committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
+        else:  # inside a block: the group's workers agree among themselves, no vote of the live groups
+            committed = self._group_agrees(self.manager.errored() is None)
+            if committed:  # the manager's step is the trainer's: a group that missed a step is behind, and heals
+                self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self._meet_next = not committed
         self._tables = tables if committed else None
         if not committed:
             err = self.manager.errored()
@@ -491,6 +511,19 @@ class TorchftReplicas(Replicas):
 
         if self.group_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.trainer.device))
+
+    def _group_agrees(self, ok: bool) -> bool:
+        """Whether every worker of the sharding group is `ok` (a MIN over its process group, on the
+        trainer's device), so its workers commit a step alike."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import ReduceOp
+
+        if self.group_size == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.trainer.device)
+        dist.all_reduce(flag, op=ReduceOp.MIN)
+        return bool(flag[0] > 0)
 
     def reduce(self, **states: Any) -> dict[str, float]:
         live = self.live or 1

@@ -771,8 +771,10 @@ class Snapshotter(_WorkerSide):
         return self.coordinator is not None and self.every_syncs > 0
 
     def due(self, step: int) -> bool:
+        from recgrid.engine.sync import sync_step
+
         K = self.trainer.config.sync_every
-        return self.enabled and step % K == 0 and (step // K) % self.every_syncs == 0
+        return self.enabled and sync_step(step, K) and (step // K) % self.every_syncs == 0
 
     def maybe_snapshot(self, step: int) -> None:
         if self.due(step):

@@ -67,7 +67,7 @@ from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad, dense_optimizer, moment_scale_for
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
-from recgrid.engine.sync import ReplicaSync, SyncState, embedding_weights, optimizer_states
+from recgrid.engine.sync import ReplicaSync, SyncState, embedding_weights, optimizer_states, sync_step
 from recgrid.engine.towers import TowerConfig
 from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
@@ -582,7 +582,7 @@ class Trainer:
                 if logs or st.step % check_every == 0:
                     mine = hooks.stop_requested(self) if hooks.stop_requested is not None else 0
                     stop = self.replicas.agree_stop(int(mine))
-                    if stop == STOP_NOW and st.step % self.config.sync_every:
+                    if stop == STOP_NOW and not sync_step(st.step, self.config.sync_every):
                         stop = 0  # an interrupt ends where the replicas were just synced (a checkpoint may follow)
                     elif stop != STOP_NOW and not logs:
                         stop = 0  # a graceful stop waits for a logging step

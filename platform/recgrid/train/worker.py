@@ -33,6 +33,7 @@ from typing import Any
 from recgrid.data.stream import EvalData, TrainData, stats_text
 from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
+from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
 from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
@@ -619,7 +620,7 @@ class ReplicaReport:
         if not self.first_step_done:
             self.first_step_done = True
             self._record_start()
-        if step % self.job.engine.sync_every == 0:
+        if sync_step(step, self.job.engine.sync_every):
             if live != self.synced_live or self.heal.sent != self.heals_sent:
                 # the live count changed, or this replica healed a newcomer (which may rejoin before
                 # this replica's quorum ever counted it gone)
