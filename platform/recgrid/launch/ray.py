@@ -8,7 +8,7 @@ actors, which outlive every worker group (job control, `train.control`: attempts
 heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
 translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
 `LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
-`train.worker.train_worker` (or `train_replica` for torchft) as their body, through
+`train.worker.train_worker` (or `train_group_worker` for torchft) as their body, through
 `train.entry` (light to import: Ray Train's controller unpickles it). When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
 

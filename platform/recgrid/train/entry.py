@@ -34,7 +34,7 @@ def restart_worker(cfg: dict[str, bytes]) -> None:
 
 
 def torchft_worker(cfg: dict[str, bytes]) -> None:
-    """train.fault_tolerance=torchft: `train.worker.train_replica`."""
-    from recgrid.train.worker import train_replica
+    """train.fault_tolerance=torchft: `train.worker.train_group_worker`."""
+    from recgrid.train.worker import train_group_worker
 
-    train_replica(_unpack(cfg))
+    train_group_worker(_unpack(cfg))

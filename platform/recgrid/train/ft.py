@@ -78,7 +78,7 @@ and every group's data cursor goes back to where it stood at that step (job cont
 checkpoint the job starts again from step 0, and says so.
 
 Who logs, evaluates and records the recoveries is the worker's business
-(`train.worker.ReplicaReport`, told of each quorum and commit through `ReplicaListener`).
+(`train.worker.GroupReport`, told of each quorum and commit through `GroupListener`).
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tu
 
 
 def kernel_digest(trainer: Trainer) -> str:
-    """Checksum of this replica's embedding weights and moments (equal iff bit for bit equal)."""
+    """Checksum of this worker's embedding weights and moments (equal iff bit for bit equal)."""
     return digest([t.detach().cpu().numpy() for t in trainer.shard_tensors()])
 
 
@@ -308,20 +308,20 @@ class HealTransport:
     data cursor is the one thing not taken from the peer: `own_cursor()` gives this group's own
     newest one (None: it never committed, and reads its parts from the start of the epoch plan)."""
 
-    def __init__(self, trainer: Trainer, replica: int,
+    def __init__(self, trainer: Trainer, group: int,
                  own_cursor: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
-        self.trainer, self.replica, self.own_cursor = trainer, replica, own_cursor
-        self.heals: list[dict[str, Any]] = []  # heals of this replica, newest last
+        self.trainer, self.group, self.own_cursor = trainer, group, own_cursor
+        self.heals: list[dict[str, Any]] = []  # heals of this sharding group, newest last
         self.restored: dict[str, Any] | None = None  # a restore from a storage checkpoint (`StorageFallback`)
         self.unseen_heal = False  # set by `load`, cleared by the component (the data cursor moved)
-        self.sent = 0  # heals this replica sent to a peer (`state_dict`)
+        self.sent = 0  # heals this sharding group sent to a peer (`state_dict`)
 
     def state_dict(self) -> dict[str, Any]:
         # contiguous copies: PGTransport sends a tensor's whole storage, and the kernels' views share one
         snap = self.trainer.snapshot(copy=False)
         snap.shard = [t.detach().clone() for t in snap.shard]
         self.sent += 1
-        return {"snapshot": snap.to_dict(), "from": self.replica,
+        return {"snapshot": snap.to_dict(), "from": self.group,
                 "digest": digest([t.cpu().numpy() for t in snap.shard])}
 
     def load(self, sd: dict[str, Any]) -> None:
@@ -384,7 +384,7 @@ class StorageFallback:
         return {"path": path, "step": step, "load_s": time.time() - t0, "at": time.time()}
 
 
-class ReplicaListener(Protocol):
+class GroupListener(Protocol):
     """What the worker hears from the component."""
 
     def quorum(self, live: int, rank: int) -> None: ...  # after every quorum: live groups, this group's rank
@@ -399,7 +399,7 @@ class TorchftReplicas(Replicas):
 
     rounds_talk = True  # a block's first round asks the quorum, its sync step votes: charged to "sync"
 
-    def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: ReplicaListener,
+    def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: GroupListener,
                  group_size: int = 1, fallback: StorageFallback | None = None) -> None:
         super().__init__(trainer)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
@@ -417,7 +417,7 @@ class TorchftReplicas(Replicas):
         # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
         # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
         self._group_meets()
-        self.manager.start_quorum()  # heals this replica here when it is behind
+        self.manager.start_quorum()  # heals this sharding group here when it is behind
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
         live = self.manager.num_participants()
@@ -449,7 +449,7 @@ class TorchftReplicas(Replicas):
         self.heal.restored = restored
         self.heal.unseen_heal = True  # the state and the data cursor changed: the loop reloads
         if self.fallback.shard == 0:
-            self.listener.say(f"sharding group {self.heal.replica}: no live group ahead; restored the storage "
+            self.listener.say(f"sharding group {self.heal.group}: no live group ahead; restored the storage "
                               f"checkpoint of step {restored['step']} ({restored['path']})")
 
     def commit(self, step: int) -> bool:
@@ -480,7 +480,7 @@ class TorchftReplicas(Replicas):
         if not committed:
             err = self.manager.errored()
             why = str(getattr(err, "original_exception", err) or "the quorum did not agree").splitlines()[0][:200]
-            self.listener.say(f"sharding group {self.heal.replica}: the round for step {step} did not commit ({why}); "
+            self.listener.say(f"sharding group {self.heal.group}: the round for step {step} did not commit ({why}); "
                               f"the next round takes the next batch")
         return committed
 

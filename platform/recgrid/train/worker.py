@@ -16,10 +16,10 @@ trainer (`train.trainer`: the one step loop) to the job's actors and components.
    control (`train.control`). Global rank 0 logs into the job's one MLflow run (never twice for
    a step), prints progress, and records the recovery events.
 
-`train_replica` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
+`train_group_worker` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
 replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers; shard rank
 0 of the live group of quorum rank 0 logs, that group writes the storage checkpoints
-(`train.ft.StorageFallback`), and `ReplicaReport` records each rebuilt group's heal or restore.
+(`train.ft.StorageFallback`), and `GroupReport` records each rebuilt group's heal or restore.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
 from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
-START_WAIT_S = 120  # torchft's first start: how long replicas wait for each other, so the first quorum has all of them
+START_WAIT_S = 120  # torchft's first start: how long the sharding groups wait for each other, so the first quorum has all of them
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def train_worker(cfg: dict) -> None:
         ray.get(control.finished.remote(step, trainer.interrupted))
 
 
-def train_replica(cfg: dict) -> None:
+def train_group_worker(cfg: dict) -> None:
     """Ray Train's per-worker function with train.fault_tolerance=torchft (`cfg["job"]` is the
     WorkerJob): shard rank s of sharding group g (the grid's coordinates of this worker's global
     rank), the group's process group and torchft manager (`train.ft.ShardingGroup`), the
@@ -261,7 +261,7 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
     # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group)
     trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, pipeline=False)
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
-    report = ReplicaReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
+    report = GroupReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
                            metrics_exporter(job, rank), before, tracker)
     # every global rank owns a part of each epoch, live or not, with its sharding group's cursor;
     # the evaluating group reads every eval row over its L workers
@@ -563,8 +563,8 @@ class WarmTracker:
         return self.tracker
 
 
-class ReplicaReport:
-    """A torchft worker's side of logging and recovery events (`train.ft.ReplicaListener`): shard
+class GroupReport:
+    """A torchft worker's side of logging and recovery events (`train.ft.GroupListener`): shard
     rank 0 of the live sharding group of quorum rank 0 logs through a `Reporter` (it changes when
     that group fails), logs `grid/num_groups` whenever the live group count changes, and logs the
     recovery events that rebuilt groups record (`recovery/count`, `recovery/source` = peer, or
@@ -579,15 +579,15 @@ class ReplicaReport:
         self.rank, self.group, self.shard = coords.rank, coords.sharding_group, coords.shard_rank
         self.replacement, self.attempt_info, self.exporter, self.before = replacement, attempt_info, exporter, before
         self.control, self.coordinator = job.control, job.recovery
-        self.report: Reporter | None = None  # while this replica is the quorum's rank 0
+        self.report: Reporter | None = None  # while this sharding group is the quorum's rank 0
         self.live: int | None = None
-        self.synced_live: int | None = None  # live replicas at this replica's last sync
-        self.digests_left = 0  # syncs whose table digest this replica still notes (`committed`)
-        self.heals_sent = 0  # `heal.sent` at this replica's last digest decision
+        self.synced_live: int | None = None  # live sharding groups at this group's last sync
+        self.digests_left = 0  # syncs whose table digest this worker still notes (`committed`)
+        self.heals_sent = 0  # `heal.sent` at this group's last digest decision
         self.events_logged: set[int] = set()
         self.first_step_done = False
 
-    # ---- ReplicaListener ------------------------------------------------------------------------------
+    # ---- GroupListener ------------------------------------------------------------------------------
     def quorum(self, live: int, rank: int) -> None:
         if rank == 0 and self.shard == 0 and self.report is None:
             self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter,
@@ -600,7 +600,7 @@ class ReplicaReport:
         self.live = live
 
     def finished_elsewhere(self) -> bool:
-        """A replacement that found no live replica ahead while the others have already ended
+        """A replacement that found no live sharding group ahead while the others have already ended
         the job (they noted their final step): nothing is left to train."""
         import ray
 
@@ -622,14 +622,14 @@ class ReplicaReport:
             self._record_start()
         if sync_step(step, self.job.engine.sync_every):
             if live != self.synced_live or self.heal.sent != self.heals_sent:
-                # the live count changed, or this replica healed a newcomer (which may rejoin before
-                # this replica's quorum ever counted it gone)
+                # the live count changed, or this group healed a newcomer (which may rejoin before
+                # this group's quorum ever counted it gone)
                 self.synced_live, self.heals_sent, self.digests_left = live, self.heal.sent, 2
             if self.digests_left:
-                # the first two syncs after the live count changed (a newcomer's first): every replica
+                # the first two syncs after the live count changed (a newcomer's first): every worker
                 # notes its tables, which must then be the same on all of them (no collective: notes go
                 # to job control). Two, because a newcomer that heals in the round of a sync step may
-                # commit its first sync a round later than the replicas that were live.
+                # commit its first sync a round later than the groups that were live.
                 self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": kernel_digest(self.trainer),
                                                                       f"live@{step}": live})
                 self.digests_left -= 1
@@ -651,7 +651,7 @@ class ReplicaReport:
             self._log_events(step)
 
     def finish(self) -> None:
-        """Every replica notes where it ended (its tables and dense part): the same on every live replica."""
+        """Every worker notes where it ended (its tables and dense part): the same on every live sharding group."""
         import ray
 
         from recgrid.train.ft import dense_digest, kernel_digest
