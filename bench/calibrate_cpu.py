@@ -3,7 +3,8 @@ bench/step_time.py's measured step times.
 
 The constants come from microbenchmarks only, never from the step-time runs they predict:
 
-  collectives   gloo all-to-all inside sharding groups of n and all-reduce inside groups of n,
+  collectives   gloo all-to-all and reduce-scatter inside sharding groups of n and all-reduce inside
+                groups of n,
                 on T local processes with every group of the grid busy at once (as in training).
                 Bandwidth: the slope over message sizes. Latency: measured "under load", each
                 rank doing a chunk of single-core compute before every collective (the chunk is
@@ -30,7 +31,8 @@ three unknowns the three runs pin down (at T = 4: the dense all-reduce over 4 fr
 L = 1 has no all-to-all; then the all-to-all over L = 2 from M = 2 and over L = 4 from M = 1).
 Both predictions are written: with the microbenchmark latencies, and with the run latencies.
 
-Then `recgrid.plan` (CpuCost) predicts the step time for M in {1, 2, 4} at T = 4 and compares it
+Then the planner's CPU form (`recgrid.plan.estimators.CpuCost`) predicts the step time for M in
+{1, 2, 4} at T = 4 and compares it
 with bench/results/step_time.json (run bench/step_time.py first, on the same machine: the
 default global batch of 1024, which the calibration runs never saw). Writes
 bench/results/calibrate_cpu.json: the profile the cost model loads, the raw microbenchmarks, the
@@ -121,7 +123,7 @@ def collectives_worker(world_size: int, chunk_iters: int) -> dict:
     from recgrid.engine.grid import Grid
 
     rank = dist.get_rank()
-    out: dict = {"all_to_all": {}, "all_reduce": {}, "chunk_iters": chunk_iters}
+    out: dict = {"all_to_all": {}, "all_reduce": {}, "reduce_scatter": {}, "chunk_iters": chunk_iters}
     # the compute chunk alone (the other ranks wait in a barrier), then all ranks at once
     if rank == 0:
         out["chunk_alone_s"] = min(_loop_time(lambda: busy(chunk_iters)) for _ in range(2))
@@ -130,14 +132,18 @@ def collectives_worker(world_size: int, chunk_iters: int) -> dict:
         # a2a inside sharding groups of L = n (M = T / n groups), all-reduce inside replica groups of n
         shard_groups = Grid(world_size, world_size // n).sharding_groups
         replica_groups = Grid(world_size, n).replica_groups
+        # reduce-scatter inside sharding groups too: a row-wise shard's pooled output goes that way
         for kind, groups, sizes in (("all_to_all", shard_groups, A2A_BYTES),
-                                    ("all_reduce", replica_groups, ALLREDUCE_BYTES)):
+                                    ("all_reduce", replica_groups, ALLREDUCE_BYTES),
+                                    ("reduce_scatter", shard_groups, A2A_BYTES)):
             pgs = [dist.new_group(g, backend="gloo") for g in groups]  # every rank creates every group
             pg = next(p for p, g in zip(pgs, groups) if rank in g)
 
             def collective(x: torch.Tensor, y: torch.Tensor) -> None:
                 if kind == "all_to_all":
                     dist.all_to_all_single(y, x, group=pg)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(y[:len(x) // n], x, group=pg)
                 else:
                     dist.all_reduce(x, group=pg)
 
@@ -267,7 +273,7 @@ def concurrently(n: int, fn, *args) -> list:
 # ---- the profile and the check ---------------------------------------------------------------------------
 def build_profile(world_size: int, batch: int, spec_name: str, sharding: str) -> dict:
     from recgrid.engine.model import ModelSpec
-    from recgrid.plan.planner import A2A_PER_SHARDING_TYPE
+    from recgrid.plan.estimators import A2A_PER_SHARDING_TYPE
 
     dim = ModelSpec().resolved_dim(get_spec(spec_name))
     print("[calibrate] fused lookup kernel, dense part, one-worker step (one process, one thread) ...",
@@ -309,7 +315,8 @@ def build_profile(world_size: int, batch: int, spec_name: str, sharding: str) ->
     profile["world_size"] = world_size
     profile["compute_slowdown"] = step1_shared / step1
     for kind, lat, bw in (("all_to_all", "a2a_latency", "a2a_bandwidth"),
-                          ("all_reduce", "allreduce_latency", "allreduce_bandwidth")):
+                          ("all_reduce", "allreduce_latency", "allreduce_bandwidth"),
+                          ("reduce_scatter", "reduce_scatter_latency", "reduce_scatter_bandwidth")):
         profile[lat], profile[bw] = {}, {}
         for n, m in coll[kind].items():
             _, slope = _fit(m["bytes"], m["seconds"])
@@ -324,8 +331,8 @@ def _torchrec_lookup_bytes_slope(spec_name: str, dim: int) -> float:
     """d(bytes)/d(batch) of TorchRec's lookup estimate for the tiny tables on one table-wise
     worker: plan with a 1 byte/s device so the estimate in seconds is the byte count."""
     from recgrid.plan.constants import CpuProfile
-    from recgrid.plan.cost import CpuCost
-    from recgrid.plan.planner import plan_group
+    from recgrid.plan.estimators import CpuCost
+    from recgrid.plan.proposers import plan_group
     from recgrid.plan.tables import tables_from_spec
 
     unit = CpuProfile(cores=1, world_size=1, compute_slowdown=1.0, a2a_latency={2: 0.0}, a2a_bandwidth={2: 1e12},
@@ -351,8 +358,9 @@ def _model_of(spec_name: str):
 
 def _candidates(profile, step_time: dict) -> list:
     """The cost model's candidate for every run of a step_time.py sweep, under `profile`."""
-    from recgrid.plan.cost import CpuCost
-    from recgrid.plan.planner import Cluster, evaluate
+    from recgrid.plan.estimators import CpuCost
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.rating import evaluate
 
     cfg = step_time["configuration"]
     T, sharding = cfg["world_size"], cfg["sharding"]
@@ -369,7 +377,7 @@ def run_latencies(profile: dict, runs: dict) -> dict:
     from dataclasses import replace
 
     from recgrid.plan.constants import CpuProfile
-    from recgrid.plan.planner import A2A_PER_SHARDING_TYPE
+    from recgrid.plan.estimators import A2A_PER_SHARDING_TYPE
 
     T = runs["configuration"]["world_size"]
     if runs["configuration"]["world_size"] != profile["world_size"]:

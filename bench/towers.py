@@ -83,7 +83,7 @@ def main() -> None:
     from recgrid.launch.local import run_local
     from recgrid.launch.report import machine_info, write_result
     from recgrid.launch.towers import pooled_embeddings
-    from recgrid.plan.partition import adjusted_rand_index, labels_from_groups, partition_features, purity, \
+    from recgrid.plan.feature_clusters import adjusted_rand_index, labels_from_groups, partition_features, purity, \
         strided_labels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""The tower partitioner of Disaggregated Multi-Tower (plan.partition, `recgrid towers`).
+"""The tower partitioner of Disaggregated Multi-Tower (plan.feature_clusters, `recgrid towers`).
 
 Issue 10's acceptance: on synthetic data with planted feature-interaction groups
 (`recgrid synth --interaction-groups`), the partitioner recovers the planted groups better than the
@@ -27,7 +27,7 @@ import pytest
 from recgrid.data.specs import SPARSE_NAMES
 from recgrid.data.synth import planted_groups, write_synth
 from recgrid.engine.towers import TowerConfig, TowerError, load_partition, strided_partition
-from recgrid.plan.partition import (
+from recgrid.plan.feature_clusters import (
     adjusted_rand_index, balanced_kmeans, distances, labels_from_groups, partition_features, purity, size_bounds,
     strided_labels,
 )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from recgrid.plan.constants import GB, H100_SXM, SOURCES, GpuProfile
-from recgrid.plan.cost import GpuCost
+from recgrid.plan.estimators import GpuCost
 from recgrid.plan.tables import TablesError, ctr_like_tables, load_tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +137,9 @@ def test_recommendation_when_nothing_fits_names_the_leanest():
     its memory against the capacity."""
     import dataclasses
 
-    from recgrid.plan.planner import Cluster, make_plan, recommend
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.planner import make_plan
+    from recgrid.plan.report import recommend
     from recgrid.plan.tables import tables_from_spec
 
     plan = make_plan(tables_from_spec("tiny"), Cluster(8, 4, 1024, GpuCost(H100_SXM, 4)), sync_every=(1,))
@@ -153,7 +155,8 @@ def test_recommendation_when_nothing_fits_names_the_leanest():
 
 
 def test_tiny_plan_uses_torchrec_for_every_group_count():
-    from recgrid.plan.planner import Cluster, make_plan
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.planner import make_plan
     from recgrid.plan.tables import tables_from_spec
 
     model = tables_from_spec("tiny")
@@ -172,7 +175,7 @@ def test_tiny_plan_uses_torchrec_for_every_group_count():
 
 
 def test_layouts_the_grid_allows_are_the_ones_priced():
-    from recgrid.plan.planner import Cluster, _ranks_per_node, grid_for, layouts_for
+    from recgrid.plan.cluster import Cluster, grid_for, layouts_for, ranks_per_node
 
     cluster = Cluster(48, 8, 1024, GpuCost(H100_SXM, 8))
     assert layouts_for(cluster, 1) == ["host-local"]
@@ -180,40 +183,40 @@ def test_layouts_the_grid_allows_are_the_ones_priced():
     assert layouts_for(cluster, 16) == ["host-local", "inter-host"]  # two whole nodes per replica group
     assert layouts_for(cluster, 12) == ["inter-host"]  # 12 would split a node between replica groups
     grid = grid_for(cluster, 16, "host-local")
-    assert _ranks_per_node(grid.replica_groups[0], 8) == 8 and grid.sharding_group_per_node == 1
+    assert ranks_per_node(grid.replica_groups[0], 8) == 8 and grid.sharding_group_per_node == 1
     wide = Cluster(256, 8, 1024, GpuCost(H100_SXM, 8))  # inter-host: L = 16 spans two nodes, one rank each
-    assert _ranks_per_node(grid_for(wide, 16, "inter-host").replica_groups[0], 8) == 1
+    assert ranks_per_node(grid_for(wide, 16, "inter-host").replica_groups[0], 8) == 1
 
 
 def test_row_wise_is_offered_where_torchrec_would_need_it():
-    from recgrid.plan.planner import _row_wise_tables
+    from recgrid.plan.enumerators import row_wise_tables
     from recgrid.plan.tables import ModelTables, TableSpec
 
     big = TableSpec("big", rows=200_000_000, dim=128, pooling=1)  # 102 GB: more than one GPU
     hot = TableSpec("hot", rows=1_000_000, dim=128, pooling=200)
     model = ModelTables("m", (big, hot) + tuple(TableSpec(f"t{i}", 1_000_000, 128, 2) for i in range(30)))
-    assert _row_wise_tables(model, L=64, per_node=8, one_gpu=78e9) == {"big"}
+    assert row_wise_tables(model, L=64, per_node=8, one_gpu=78e9) == {"big"}
     # one member of the sharding group per node: table-row-wise splits nothing, so row-wise is also
     # offered to tables above a worker's share of the bytes or of the lookup work
-    assert _row_wise_tables(model, L=64, per_node=1, one_gpu=78e9) == {"big", "hot"}
-    assert _row_wise_tables(model, L=4, per_node=1, one_gpu=78e9) == {"big", "hot"}
-    assert _row_wise_tables(model, L=1, per_node=1, one_gpu=1e15) == set()
+    assert row_wise_tables(model, L=64, per_node=1, one_gpu=78e9) == {"big", "hot"}
+    assert row_wise_tables(model, L=4, per_node=1, one_gpu=78e9) == {"big", "hot"}
+    assert row_wise_tables(model, L=1, per_node=1, one_gpu=1e15) == set()
 
 
 def test_narrower_column_shards_are_offered_to_tables_above_a_workers_share():
     """TorchRec's column-wise cuts a 128-dim table into one 128-column shard (the whole table); the
     planner also offers 64- and 32-column shards (MIN_COLUMN_SHARD_BYTES) to the tables above one
     worker's share of the bytes or the lookup work, priced by TorchRec's estimators."""
-    from recgrid.plan import planner
+    from recgrid.plan import enumerators
     from recgrid.plan.tables import ModelTables, TableSpec
 
     hot = TableSpec("hot", rows=1_000_000, dim=128, pooling=200)
     narrow = TableSpec("narrow", rows=1_000_000, dim=16, pooling=200)  # hot too, but 16 columns: not cut
     model = ModelTables("m", (hot, narrow) + tuple(TableSpec(f"t{i}", 1_000_000, 128, 2) for i in range(30)))
-    assert planner._narrow_column_widths(model, 16) == {64: ["hot"], 32: ["hot"]}
-    assert planner._narrow_column_widths(model, 1) == {}
-    with planner.quiet_torchrec():
-        space = planner._search_space(model, 16, 8, 1024, GpuCost(H100_SXM, 8), 1e9, planner.PLAN_SHARDING_TYPES)
+    assert enumerators.narrow_column_widths(model, 16) == {64: ["hot"], 32: ["hot"]}
+    assert enumerators.narrow_column_widths(model, 1) == {}
+    with enumerators.quiet_torchrec():
+        space = enumerators.search_space(model, 16, 8, 1024, GpuCost(H100_SXM, 8), 1e9, enumerators.PLAN_SHARDING_TYPES)
     cuts = lambda name: sorted(tuple(sh.size[1] for sh in so.shards)  # noqa: E731
                                for so in space.options[name] if so.sharding_type == "column_wise")
     assert cuts("hot") == [(32, 32, 32, 32), (64, 64), (128,)]
@@ -226,19 +229,20 @@ def test_narrower_column_shards_are_offered_to_tables_above_a_workers_share():
 
 
 def test_memoized_estimator_lookups_give_torchrecs_estimates():
-    from recgrid.plan import planner
+    from recgrid.plan import enumerators
+    from recgrid.plan.estimator_lookups import memoized_estimator_lookups
     from recgrid.plan.tables import tables_from_spec
 
     model, cost = tables_from_spec("tiny"), GpuCost(H100_SXM, 8)
 
     def estimates(memo: bool) -> dict:
-        planner._SPACE_CACHE.clear()
-        with planner.quiet_torchrec():
+        enumerators.clear_cache()
+        with enumerators.quiet_torchrec():
             if memo:
-                with planner.memoized_estimator_lookups():
-                    space = planner._search_space(model, 16, 8, 512, cost, 1e9, planner.PLAN_SHARDING_TYPES)
+                with memoized_estimator_lookups():
+                    space = enumerators.search_space(model, 16, 8, 512, cost, 1e9, enumerators.PLAN_SHARDING_TYPES)
             else:
-                space = planner._search_space(model, 16, 8, 512, cost, 1e9, planner.PLAN_SHARDING_TYPES)
+                space = enumerators.search_space(model, 16, 8, 512, cost, 1e9, enumerators.PLAN_SHARDING_TYPES)
         return {n: [(so.sharding_type, [(sh.perf.total, sh.storage.hbm) for sh in so.shards]) for so in opts]
                 for n, opts in space.options.items()}
 
@@ -340,7 +344,10 @@ def test_compressed_tables_are_priced_with_their_compressed_rows():
     the replica sync's bytes and the group counts that fit follow the compressed tables."""
     from recgrid.data.specs import Compression, embedding_bytes
     from recgrid.data.specs import get_spec
-    from recgrid.plan.planner import Cluster, dense_memory_bytes, evaluate, plan_group
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.estimators import dense_memory_bytes
+    from recgrid.plan.proposers import plan_group
+    from recgrid.plan.rating import evaluate
     from recgrid.plan.recscale import memory_summary
     from recgrid.plan.tables import tables_from_spec
 
@@ -406,8 +413,9 @@ def test_srp_prices_row_wise_output_as_dense_times_occupancy():
     all-to-all unchanged; the bytes a worker sends are the dense bytes x that occupancy (1/16
     one-hot; more for multi-hot bags), never more than dense; TorchRec prices them dense."""
     from recgrid.engine.srp import expected_occupancy
-    from recgrid.plan import planner
-    from recgrid.plan.planner import Cluster, evaluate
+    from recgrid.plan import enumerators
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.rating import evaluate
 
     cost = GpuCost(H100_SXM, 8)
     for spec in ("tiny", "tiny+multihot"):
@@ -415,8 +423,8 @@ def test_srp_prices_row_wise_output_as_dense_times_occupancy():
         sparse, _ = _tiny_options(spec, sharding="row_wise", row_wise_exchange="sparse")
         spaces = []
         for m in (dense, sparse):
-            with planner.quiet_torchrec():
-                spaces.append(planner._search_space(m, 16, 8, 512, cost, 1e9, ("row_wise",)))
+            with enumerators.quiet_torchrec():
+                spaces.append(enumerators.search_space(m, 16, 8, 512, cost, 1e9, ("row_wise",)))
         pooling = {t.name: t.pooling for t in dense.tables}
         for name, opts in spaces[0].options.items():
             (d,), (s,) = opts, spaces[1].options[name]
@@ -440,7 +448,7 @@ def test_srp_prices_row_wise_output_as_dense_times_occupancy():
         else:
             assert 1 / 16 < share < 1
     # TorchRec's planner prices row-wise output as dense: the enumeration without SRP is TorchRec's own
-    assert planner.ROW_WISE == "row_wise"
+    assert enumerators.ROW_WISE == "row_wise"
 
 
 @pytest.mark.parametrize("settings, words", [

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from recgrid.plan.constants import GB, H100_SXM
-from recgrid.plan.cost import GpuCost
-from recgrid.plan.planner import A2A_PER_SHARDING_TYPE, PlanError
+from recgrid.plan.estimators import GpuCost
+from recgrid.plan.cluster import PlanError
+from recgrid.plan.estimators import A2A_PER_SHARDING_TYPE
 from recgrid.plan.simulate import simulate
 from recgrid.plan.tables import ctr_like_tables, load_tables
 
@@ -77,7 +78,8 @@ def test_2d_replica_groups_on_whole_nodes_at_4096(table2):
     d = table2[(4096, "2d")].candidate
     assert (d.num_groups, d.layout) == (16, "host-local")
     # K is the smallest priced sync interval within the 2% tie band of the best K at this M
-    from recgrid.plan.planner import DEFAULT_SYNC_EVERY, QPS_TOLERANCE, Cluster, evaluate
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.rating import DEFAULT_SYNC_EVERY, QPS_TOLERANCE, evaluate
 
     cluster = Cluster(4096, 8, B, GpuCost(H100_SXM, 8))
     options = {K: evaluate(load_tables(MODEL), cluster, 16, K, layout="host-local").qps for K in DEFAULT_SYNC_EVERY}
@@ -96,7 +98,8 @@ def test_model_parallel_lookup_memory_per_gpu_does_not_grow_with_t(table2):
     shard holds B x T x its width, on one GPU only: less). Only row-wise shards (one per table on
     every GPU) would grow with T, and TorchRec's estimators never pick them here; so model
     parallelism fits 80 GB at every T."""
-    from recgrid.plan.planner import dense_memory_bytes, plan_group
+    from recgrid.plan.estimators import dense_memory_bytes
+    from recgrid.plan.proposers import plan_group
 
     model, per_gpu = load_tables(MODEL), 8 * 788 * B * 128 * 4
     for T in GPUS[2:]:
@@ -157,7 +160,7 @@ def tiny_dmt() -> dict:
 
 
 def _tiny_cluster(T: int):
-    from recgrid.plan.planner import Cluster
+    from recgrid.plan.cluster import Cluster
     from recgrid.plan.tables import resolve_model
 
     return resolve_model("tiny", None), Cluster(gpus=T, gpus_per_node=8, batch_per_gpu=256,

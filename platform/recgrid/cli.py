@@ -138,13 +138,25 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="recgrid.launch.compare:run_cli")
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """The model and cluster arguments `plan` and `simulate` share."""
+def _add_cluster_args(p: argparse.ArgumentParser, job: bool = False) -> None:
+    """The model and cluster arguments `plan` and `simulate` share (`job`: `plan`'s --config too)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--spec", help="dataset spec: tiny, criteo_kaggle, criteo_1tb (+multihot) or a spec .yaml")
     src.add_argument("--tables", help="tables YAML: tables: [{name, rows, dim, pooling}] (pooling = mean ids per sample)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="G, GPUs per node (default 8)")
-    p.add_argument("--batch-per-gpu", type=int, required=True, help="B, samples per GPU per step")
+    if job:
+        src.add_argument("--config", help="a job config YAML: plan for its T, workers per node, batch, device and "
+                                          "model, and print the plan the job runs with model.sharding: auto")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --config: override a config value")
+        p.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
+                       help="gpu: published GPU figures (default); cpu: CPU workers with gloo, measured figures "
+                            "(--cpu-profile); with --config the job's train.use_gpu decides")
+        p.add_argument("--cpu-profile", default=None, metavar="PATH",
+                       help="a bench/calibrate_cpu.py result to price CPU workers with (default: this project's "
+                            "machine as measured, or $RECGRID_CPU_PROFILE)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="G, GPUs (or CPU workers) per node (default 8)")
+    p.add_argument("--batch-per-gpu", type=int, required=not job, default=None,
+                   help="B, samples per GPU (or CPU worker) per step")
     p.add_argument("--hbm-gb", type=float, default=None, help="GPU memory in GB (default: the GPU's, 80)")
     p.add_argument("--gpu", default="h100-sxm", help="hardware profile of the published figures (h100-sxm)")
     p.add_argument("--intra-node-gbps", type=float, default=None, help="override NVLink bandwidth per GPU, GB/s")
@@ -174,9 +186,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict step time, memory and QPS for every M dividing T; recommend M and K")
-    p.add_argument("--gpus", "-T", type=int, required=True, help="T, the number of GPUs")
-    _add_cluster_args(p)
-    p.set_defaults(handler="recgrid.plan.planner:run_cli")
+    p.add_argument("--gpus", "-T", type=int, default=None, help="T, the number of GPUs (or CPU workers)")
+    _add_cluster_args(p, job=True)
+    p.set_defaults(handler="recgrid.plan.cli:run_cli")
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:

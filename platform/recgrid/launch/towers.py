@@ -2,7 +2,7 @@
 
 A short run of the flat engine (one local gloo worker, the job's model and optimizers) on the
 data, or a storage checkpoint loaded into it, gives the pooled embeddings of a few thousand
-samples; `plan.partition` turns them into N balanced towers; the partition file it writes is
+samples; `plan.feature_clusters` turns them into N balanced towers; the partition file it writes is
 what a job's `model.towers` reads.
 """
 
@@ -66,7 +66,7 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
 def run_cli(args: argparse.Namespace) -> int:
     from recgrid.data.specs import SPARSE_NAMES, SpecError
     from recgrid.engine.towers import strided_partition, write_partition
-    from recgrid.plan.partition import partition_features, size_bounds
+    from recgrid.plan.feature_clusters import partition_features, size_bounds
 
     t0 = time.perf_counter()
     try:

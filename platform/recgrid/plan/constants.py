@@ -4,8 +4,10 @@ hardware figures and published (or this machine's) measurements, each with its s
 Nothing here is fitted to the 2-D paper's tables. The GPU figures describe an H100 SXM5 node
 of 8 GPUs on NVLink 4 / NVSwitch with one 400 Gb/s ConnectX-7 NIC per GPU (the DGX/HGX H100
 shape); `recgrid plan --hbm-gb/--intra-node-gbps/--inter-node-gbps` override the headline ones.
-The CPU figures are not here: they are measured on the machine at hand by
-bench/calibrate_cpu.py and read from its JSON (`CpuProfile.load`).
+The CPU figures (`CPU_MEASURED`, what a CPU/gloo job's `model.sharding: auto` and `recgrid plan
+--device cpu` price with) are this project's 2-core machine as bench/calibrate_cpu.py measured it
+and wrote it to bench/results/calibrate_cpu.json (a test keeps the two equal); `--cpu-profile PATH`
+(or $RECGRID_CPU_PROFILE) loads another machine's calibration (`CpuProfile.load`).
 
 Units: bytes, seconds, bytes per second, FLOP per second.
 """
@@ -106,6 +108,10 @@ PROFILES: dict[str, GpuProfile] = {H100_SXM.name: H100_SXM}
 # line (SOURCES["column_shard_width"]), 32 columns. Policy anchored to a hardware figure, like
 # TorchRec's own MIN_CW_DIM = 128 default.
 MIN_COLUMN_SHARD_BYTES = 128
+# Placements whose ratings are within this fraction of the best a search found are ones the cost
+# model cannot tell apart (equal up to float noise); the one with the least communication is
+# chosen (proposers.pick).
+TIE_TOLERANCE = 1e-6
 
 SOURCES: dict[str, Source] = {
     "hbm_bytes": Source(
@@ -175,6 +181,16 @@ SOURCES: dict[str, Source] = {
         "CUDA C++ Best Practices Guide, coalesced access to global memory: a warp's loads are served in "
         "32-byte sectors of 128-byte cache lines. A column shard of 32 fp32 columns reads one whole line "
         "per looked-up row; narrower ones split lines across shards."),
+    "cpu_measured": Source(
+        "bench/calibrate_cpu.py -> bench/results/calibrate_cpu.json (`profile`)",
+        "Every CpuProfile figure of CPU_MEASURED: gloo collectives' bandwidth (slope over message sizes) and "
+        "latency under training load, the fused kernel's and dense part's times on one core, the sharded step's "
+        "overhead, and the cores' contention, measured on this project's 2-core machine (its docstring says how)."),
+    "cpu_reduce_scatter": Source(
+        "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md",
+        "A ring all-reduce moves 2(n-1)/n of its bytes, a reduce-scatter or all-gather (n-1)/n: so where the "
+        "calibration has no reduce-scatter measured, it costs half the measured all-reduce's time for the same "
+        "bytes (TorchRec's row-wise output, forward, and its all-gather, backward)."),
     "replica_sync": Source(
         "Zhang et al., Two-dimensional Sparse Parallelism for Large Scale Deep Learning Recommendation "
         "Model Training, arXiv:2508.03854, Eq. 1",
@@ -222,23 +238,30 @@ class CpuProfile:
     sharded_step_overhead: float
     """Seconds a sharded module's step costs on one worker beyond its kernels (TorchRec's input
     and output distribution bookkeeping, awaitables, DDP hooks), measured at world size 1."""
+    reduce_scatter_bandwidth: dict[int, float] = field(default_factory=dict)
+    """Measured reduce-scatter slope (bytes per rank per second) inside sharding groups of n, where
+    the calibration measured it; else derived from the all-reduce's (`reduce_scatter_rate`)."""
     measured: dict = field(default_factory=dict)
     """The raw microbenchmark results, for the record."""
+    source: str = "bench/calibrate_cpu.py"
+    """Where the figures come from (the calibration file read, or the measuring script)."""
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_CPU_CALIBRATION) -> "CpuProfile":
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no CPU calibration; run `.venv/bin/python bench/calibrate_cpu.py` first")
-        return cls.from_dict(json.loads(path.read_text())["profile"])
+        return replace(cls.from_dict(json.loads(path.read_text())["profile"]), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "CpuProfile":
         """A profile from its JSON form (rank counts as keys are strings there)."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in raw.items() if k in known}
-        for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
-            kw[k] = {int(n): float(v) for n, v in kw[k].items()}
+        for k in ("a2a_latency", "a2a_bandwidth", "allreduce_latency", "allreduce_bandwidth",
+                  "reduce_scatter_bandwidth"):
+            if k in kw:
+                kw[k] = {int(n): float(v) for n, v in kw[k].items()}
         return cls(**kw)
 
     @staticmethod
@@ -248,7 +271,39 @@ class CpuProfile:
             return table[n]
         return table[min(table, key=lambda k: (abs(k - n), k))]
 
+    def at(self, table: dict[int, float], n: int) -> float:
+        """`table`'s figure at `n` ranks (the nearest measured count when `n` was not measured)."""
+        return self._at(table, n)
+
+    def reduce_scatter_rate(self, n: int) -> float:
+        """Bytes per rank per second of a reduce-scatter (or all-gather) over n ranks: measured, or
+        twice the measured all-reduce's, since a ring all-reduce is a reduce-scatter and an
+        all-gather of the same bytes (SOURCES["cpu_reduce_scatter"])."""
+        if self.reduce_scatter_bandwidth:
+            return self._at(self.reduce_scatter_bandwidth, n)
+        return 2.0 * self._at(self.allreduce_bandwidth, n)
+
     def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
         if ranks <= 1:
             return 0.0
         return self._at(self.allreduce_latency, ranks) + nbytes / self._at(self.allreduce_bandwidth, ranks)
+
+
+# This machine (2 cores, shared), measured by bench/calibrate_cpu.py: its `profile` in
+# bench/results/calibrate_cpu.json (microbenchmarks; the collective latencies from the step-time
+# runs at global batch 512, bench/results/step_time_b512.json). Field docs say what each is.
+CPU_MEASURED = CpuProfile(
+    cores=2,
+    world_size=4,
+    compute_slowdown=2.4671095905421696,
+    a2a_latency={2: 0.0011595599148498468, 4: 0.002547791330419603},
+    a2a_bandwidth={2: 12166742473.119871, 4: 2077163691.3333383},
+    allreduce_latency={2: 0.0017004893999910565, 4: 0.012236538568379886},
+    allreduce_bandwidth={2: 941785003.5705525, 4: 1471329000.322296},
+    lookup_bandwidth=8353717474.997291,
+    lookup_call_overhead=0.0,
+    dense_seconds_per_sample=9.876933591255823e-06,
+    dense_call_overhead=0.000519903500389773,
+    sharded_step_overhead=0.002514977340554077,
+    source="bench/results/calibrate_cpu.json (bench/calibrate_cpu.py on this project's 2-core machine)",
+)

@@ -3,7 +3,7 @@ parallelism (one sharding group of all T workers, TorchRec's ordinary DMP) again
 sparse parallelism with sharding groups of a fixed size L (M = T / L copies): QPS, the
 scaling factor, peak memory per GPU, out-of-memory.
 
-Both strategies are priced by the planner's cost model (`planner.evaluate`), so the
+Both strategies are priced by the planner's cost model (`rating.evaluate`), so the
 simulation is exactly `recgrid plan` at each T, restricted to M = 1 and M = T / L. The
 scaling factor is the paper's Table 2 metric: the QPS speed-up over the first (smallest) GPU
 count, divided by the GPU-count multiplier; 1.0 is linear scaling.
@@ -33,10 +33,11 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from recgrid.plan.constants import GB
-from recgrid.plan.planner import (
-    A2A_PER_SHARDING_TYPE, DEFAULT_SYNC_EVERY, QPS_TOLERANCE, Candidate, Cluster, PlanError, dense_memory_bytes,
-    evaluate, gpu_cost, parse_int_list, plan_group,
-)
+from recgrid.plan.cli import gpu_cost, parse_int_list
+from recgrid.plan.cluster import Cluster, PlanError
+from recgrid.plan.estimators import A2A_PER_SHARDING_TYPE, dense_memory_bytes
+from recgrid.plan.proposers import plan_group
+from recgrid.plan.rating import DEFAULT_SYNC_EVERY, QPS_TOLERANCE, Candidate, evaluate
 from recgrid.plan.recscale import MemorySummary, OptionsError, apply_args, describe, exchange_label, memory_summary
 from recgrid.plan.tables import ModelTables, TablesError, resolve_model
 

@@ -1,12 +1,16 @@
-"""The hardware side of the cost model, in two forms with one interface: `GpuCost` (published
-H100 + NCCL figures from constants.py) and `CpuCost` (figures measured on this machine by
-bench/calibrate_cpu.py). The planner asks them for a TorchRec `Topology` (so TorchRec's own
-estimators price each shard), and for the terms 2-D adds or TorchRec leaves out:
+"""The estimators: the cost model, one form per device with one interface. `GpuCost` prices GPUs
+with NCCL from published H100 figures, `CpuCost` CPU workers with gloo from the figures
+bench/calibrate_cpu.py measured (both in constants.py, each with its source). The planner asks
+them for a TorchRec `Topology` (so TorchRec's own estimators price each shard's lookup,
+communication and memory), and for the terms 2-D adds or TorchRec leaves out:
 
 - all-to-all bandwidth as a function of the group's size and spread over nodes, handed to
   TorchRec's estimators as a `GeneralizedCommsBandwidth`, plus a per-peer latency;
 - all-reduce time (the dense gradients over all T, the replica sync over M);
-- dense compute time.
+- dense compute time;
+- what each sharding type present costs a worker whatever its bytes (`kernel_fixed_seconds`:
+  its all-to-alls' latency and its fused kernel's call), which the search rates too, so where a
+  collective's latency dominates (gloo on a shared CPU) a plan with fewer sharding types wins.
 
 Times in seconds, sizes in bytes. TorchRec's estimators work in bytes per millisecond and
 return milliseconds; the conversion happens here and nowhere else.
@@ -17,8 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recgrid.plan.constants import CpuProfile, GpuProfile
+from recgrid.plan.tables import ModelTables
 
 _MS = 1e-3  # TorchRec's planner constants are bytes/ms and its Perf is in ms
+# All-to-alls a step runs per sharding type present (TorchRec's KJTAllToAll sends the splits,
+# then lengths and values; PooledEmbeddingsAllToAll sends the pooled embeddings forward and
+# their gradients backward).
+A2A_PER_SHARDING_TYPE = 5
 
 
 def _comms_bandwidth_class():
@@ -155,20 +164,22 @@ class CpuCost:
             world_size=group_size, compute_device="cpu", local_world_size=per_node,
             ddr_mem_bw=bw * _MS, ddr_cap=1 << 50,
             generalized_comms_bandwidths=_comms_bandwidth_class()(
-                self.bandwidth, CpuProfile._at(a2a, group_size), CpuProfile._at(a2a, group_size)),
+                self.bandwidth, self.profile.at(a2a, group_size), self.profile.at(a2a, group_size)),
         )
 
     def bandwidth(self, world_size: int, per_node: int, collective: str) -> float:
         if world_size <= 1:
             return float("inf")  # a group of one sends nothing
+        if collective in ("reduce_scatter", "all_gather"):  # a row-wise shard's output and its gradient
+            return self.profile.reduce_scatter_rate(world_size)
         table = self.profile.allreduce_bandwidth if collective == "all_reduce" else self.profile.a2a_bandwidth
-        return CpuProfile._at(table, world_size)
+        return self.profile.at(table, world_size)
 
     def a2a_latency(self, group_size: int, per_node: int) -> float:
-        return CpuProfile._at(self.profile.a2a_latency, group_size) if group_size > 1 else 0.0
+        return self.profile.at(self.profile.a2a_latency, group_size) if group_size > 1 else 0.0
 
     def allreduce_rate(self, ranks: int, per_node: int) -> float:
-        return CpuProfile._at(self.profile.allreduce_bandwidth, ranks)
+        return self.profile.at(self.profile.allreduce_bandwidth, ranks)
 
     def allreduce_seconds(self, nbytes: float, ranks: int, per_node: int) -> float:
         if ranks <= 1 or nbytes <= 0:
@@ -189,3 +200,30 @@ class CpuCost:
 
     def step_overhead(self) -> float:
         return self.profile.sharded_step_overhead * self.compute_slowdown(self.world_size)
+
+
+def kernel_fixed_seconds(cost: GpuCost | CpuCost, kernels: int, group_size: int, per_node: int) -> float:
+    """What `kernels` sharding types present cost a worker of a sharding group of `group_size`
+    per step whatever their bytes: A2A_PER_SHARDING_TYPE all-to-alls' latency each, and a fused
+    kernel call each."""
+    return A2A_PER_SHARDING_TYPE * kernels * cost.a2a_latency(group_size, per_node) + cost.lookup_overhead(kernels)
+
+
+# ---- the dense part ------------------------------------------------------------------------------
+def dense_flops_per_sample(model: ModelTables) -> float:
+    """Training FLOP per sample: forward 2 and backward 4 per dense weight (and per
+    multiply-add of a dot interaction)."""
+    flops = 6.0 * sum(i * o for i, o in model.dense_layers)
+    if model.dense.interaction == "dot":
+        n = model.features + 1
+        flops += 6.0 * n * n * model.dense.bottom_mlp[-1]
+    return flops
+
+
+def dense_memory_bytes(model: ModelTables, batch: int) -> int:
+    """Per worker: weights, gradients and Adagrad state of the dense part, its activations and
+    their gradients, and the pooled embeddings it receives (and their gradients)."""
+    params = model.dense_params
+    layer_out = sum(o for _, o in model.dense_layers)
+    activations = batch * (layer_out + model.embedding_width + model.dense.dense_features) * 4 * 2
+    return 3 * params * 4 + activations

@@ -1,4 +1,5 @@
-"""The tower partitioner of Disaggregated Multi-Tower: which features share a tower.
+"""Tower feature clustering for Disaggregated Multi-Tower: which features share a tower (not a
+TorchRec partitioner; `recgrid towers` calls it).
 
 From pooled embeddings of a trained model (one [F, D] block per sample), the paper's recipe:
 1. the interaction matrix I(i, j) = mean over samples of |cos(e_i, e_j)|;
