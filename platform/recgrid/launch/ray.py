@@ -252,11 +252,15 @@ def storage_path(config: JobConfig) -> str:
 
 def job_plan(config: JobConfig, engine: Any = None) -> Any:
     """The job's sharding plan, for the L workers of one sharding group: made once, here.
+    `model.sharding: auto` is recgrid's planner (`plan.planner.job_sharding_plan`: the search
+    `recgrid plan` runs, priced for the device the job runs on); a named type is TorchRec's planner
+    restricted to it (`engine.sharding.make_plan`); towers place each tower's tables in their tower.
     `engine`: the job's EngineConfig when the driver has completed it (a compressed job's head ids);
     None = `EngineConfig.from_job(config)`."""
     from recgrid.engine.device import device_type_for
     from recgrid.engine.model import build_model
     from recgrid.engine.sharding import make_plan
+    from recgrid.plan.planner import job_sharding_plan
 
     from recgrid.train.trainer import EngineConfig
 
@@ -267,9 +271,11 @@ def job_plan(config: JobConfig, engine: Any = None) -> Any:
 
         return tower_plan(engine.spec, engine.model, engine.towers, grid, device_type_for(config.train.use_gpu))
     model = build_model(engine.spec, engine.model, seed=engine.seed)
+    hbm_cap = worker_gpu_memory() if config.train.use_gpu else None
+    if engine.sharding == "auto":
+        return job_sharding_plan(config, model, hbm_cap=hbm_cap)
     return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
-                     engine.sharding, hbm_cap=worker_gpu_memory() if config.train.use_gpu else None,
-                     may_sideline=config.sidelines_ranks)
+                     engine.sharding, hbm_cap=hbm_cap, may_sideline=config.sidelines_ranks)
 
 
 def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
