@@ -169,16 +169,22 @@ def test_a_home_directory_is_refused_as_the_project(cluster, tmp_path):
     assert len(_jobs(cluster)) == before
 
 
-@pytest.mark.parametrize("address,args,said", [
-    ("http://10.0.0.1:8265", [], "plain http:// to a non-loopback address would send the cluster's token in clear"),
-    ("head.example.com:8265", [], "plain http:// to a non-loopback address"),  # no scheme: Ray would use http
-    ("https://ray:pw@head.example.com:8265", [], "https://***@head.example.com:8265: the address carries credentials"),
+@pytest.mark.parametrize("address,args,said,file_uri", [
+    ("http://10.0.0.1:8265", [], "plain http:// to a non-loopback address would send the cluster's token in clear", None),
+    ("head.example.com:8265", [], "plain http:// to a non-loopback address", None),  # no scheme: Ray would use http
+    ("https://ray:pw@head.example.com:8265", [], "https://***@head.example.com:8265: the address carries credentials", None),
     ("https://head.example.com:8265", ["--set", "tracking.tracking_uri=https://u:pw@mlflow.example.com"],
-     "--set tracking.tracking_uri=https://***@mlflow.example.com: a URI with credentials"),
+     "--set tracking.tracking_uri=https://***@mlflow.example.com: a URI with credentials", None),
+    ("https://head.example.com:8265", [], "jobs/local_demo.yaml: tracking.tracking_uri https://***@mlflow.example.com "
+     "carries a user and password", "https://u:pw@mlflow.example.com"),  # in the shipped config file
 ])
-def test_plain_http_and_credentials_are_refused_before_connecting(address, args, said, tmp_path):
+def test_plain_http_and_credentials_are_refused_before_connecting(address, args, said, file_uri, tmp_path):
     """Nothing is sent anywhere: the refusal comes before any connection (the addresses are strings only)."""
-    p = _submit("jobs/local_demo.yaml", "--address", address, *args, cwd=_project(tmp_path / "p"),
+    project = _project(tmp_path / "p")
+    if file_uri:
+        config = project / "jobs" / "local_demo.yaml"
+        config.write_text(config.read_text().replace("\ntracking:\n", f"\ntracking:\n  tracking_uri: {file_uri}\n"))
+    p = _submit("jobs/local_demo.yaml", "--address", address, *args, cwd=project,
                 env=_user_env(RAY_AUTH_TOKEN="not-a-real-token"), timeout=30)
     assert p.returncode == 2, p.stdout + p.stderr
     assert said in p.stderr and "shipping" not in p.stdout

@@ -178,6 +178,7 @@ def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, m
     assert redact_uri(f"at {secret_uri} and postgresql://u:pw@db/x") == \
         "at https://***@mlflow.example.com:5000/ and postgresql://***@db/x"
     assert redact_uri("http://tok3n@h:1", keep="") == "http://h:1"
+    assert redact_uri("http://jobs:s3cr@tP4ss@mlflow and http://h/a@b") == "http://***@mlflow and http://h/a@b"
     assert has_credentials(secret_uri) and not has_credentials("https://mlflow.example.com/?a=b@c")
 
     tracker = Tracker(experiment="t-creds", tracking_uri=store)

@@ -91,8 +91,9 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
-# the userinfo of any URL in a text: `scheme://user:pass@` or `scheme://token@`
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#@\s]+)@")
+# the userinfo of any URL in a text: `scheme://user:pass@` or `scheme://token@`, up to the authority's
+# LAST `@` (a password may hold a raw `@`)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]+)@")
 
 
 def redact_uri(text: str, keep: str = "***@") -> str:

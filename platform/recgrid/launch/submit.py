@@ -84,6 +84,7 @@ def run_cli(args: argparse.Namespace) -> int:
         address = cluster_address(args.address)
         project = project_dir()
         entry = entrypoint(args.config, args.set)
+        refuse_shipped_credentials(args.config, config)
         files = shipped_files(project, args.config)
     except SubmitError as e:
         print(f"recgrid submit: {e}", file=sys.stderr)
@@ -164,6 +165,16 @@ def entrypoint(config_path: str, overrides: list[str]) -> str:
                           f"move it, e.g. into jobs/")
     args = ["python", "-m", "recgrid.cli", "train", rel] + [a for o in overrides for a in ("--set", o)]
     return shlex.join(args)
+
+
+def refuse_shipped_credentials(config_path: str, config: JobConfig) -> None:
+    """A config file is shipped in the job's working directory, which anyone who can reach the Ray
+    dashboard can read: one whose tracking URI carries a user or password is refused, as `--set` is."""
+    uri = config.tracking.tracking_uri
+    if uri and has_credentials(uri):
+        raise SubmitError(f"{config_path}: tracking.tracking_uri {redact_uri(uri)} carries a user and password, and "
+                          f"the config is shipped to the cluster (its working directory); take them out of the URI "
+                          f"and give them to the cluster as MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD")
 
 
 def _ignored(rel: str) -> bool:
