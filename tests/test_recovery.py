@@ -307,6 +307,9 @@ def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
     # uncompressed model's 1.5x)
     assert table_bytes <= written < 2 * table_bytes
     assert len({f for f in os.listdir(saved) if f.endswith(".distcp")}) == 4
+    # model weights on a shared host: only the job's user reads them
+    assert os.stat(saved).st_mode & 0o777 == 0o700
+    assert {os.stat(os.path.join(saved, f)).st_mode & 0o777 for f in os.listdir(saved)} == {0o600}
     assert {"model.sparse_arch.embedding_bag_collection.embedding_bags.t_C3_h.weight",
             "model.sparse_arch.embedding_bag_collection.embedding_bags.t_C3_q.weight"} <= set(want)
     # the head ids are the checkpoint's: a job with another head cannot read its rows for other ids
@@ -540,6 +543,25 @@ def test_holder_files_are_0600_in_0700_directories_and_links_are_never_followed(
     assert not os.path.islink(other) and os.path.getsize(other) == 128 and victim.read_bytes() == b"precious" * 8
     holder.close()
     assert not job_dir.exists()
+
+
+def test_row_log_is_0600_in_a_0700_directory_and_never_follows_a_link(tmp_path):
+    import errno
+
+    from recgrid.train.worker import RowLog, row_log_file
+
+    directory = str(tmp_path / "rows")
+    log = RowLog(directory, 0, 0)
+    log.write(3, [7, 8])
+    os.close(log.fd)
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(row_log_file(directory, 0, 0)).st_mode & 0o777 == 0o600
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, row_log_file(directory, 0, 1))
+    with pytest.raises(OSError) as refused:
+        RowLog(directory, 0, 1)
+    assert refused.value.errno == errno.ELOOP and target.read_bytes() == b""
 
 
 @pytest.mark.parametrize("planted", ["link", "open directory", "unmarked directory", "another job's", "another user's"])

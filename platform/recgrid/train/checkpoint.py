@@ -216,6 +216,15 @@ def _reader(path: str) -> Any:
     return local(path.removeprefix("file://"))
 
 
+def _owner_only(directory: str) -> None:
+    """The checkpoint directory 0700 and its files 0600 (DCP creates them with the umask's modes)."""
+    os.chmod(directory, 0o700)
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                os.chmod(entry.path, 0o600)
+
+
 def is_complete(path: str) -> bool:
     """Whether `path` holds a finished checkpoint (DCP writes `.metadata` last, on one rank)."""
     if _is_uri(path):
@@ -283,7 +292,12 @@ class Checkpointer:
 
         step = trainer.state.step
         path = self.path_for(step)
+        local = None if _is_uri(path) else path.removeprefix("file://")
+        if local is not None:  # model weights on a shared host: a directory only this user can enter
+            os.makedirs(local, mode=0o700, exist_ok=True)
         dcp.save(trainer.state_dict(), storage_writer=_writer(path), process_group=trainer.groups.global_pg)
+        if local is not None:
+            _owner_only(local)
         if self.ray_storage and self.reports:
             report_checkpoint(path, step, metrics or {})
         return path

@@ -380,9 +380,10 @@ class RowLog:
     (int64 pairs, written per step, so a killed worker's file holds every step it finished)."""
 
     def __init__(self, directory: str, attempt: int, rank: int) -> None:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        # the rows a job trained are its data: this user's only, and never through a planted link
         self.fd = os.open(row_log_file(directory, attempt, rank),
-                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
 
     def on_step(self, trainer: Trainer, out: Any, batch: Any) -> None:
         """`FitHooks.on_step`: the rows of every consumed batch, under the step it counts for."""
