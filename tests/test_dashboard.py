@@ -339,3 +339,12 @@ def test_local_prometheus_config_is_valid_and_finds_ray_nodes():
     check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}" in path.read_text()
+
+
+def test_readme_grafana_recipe_listens_on_loopback_with_a_password_from_the_environment():
+    """The local recipe's Grafana (host network) serves 127.0.0.1 only, never admin/admin."""
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    (recipe,) = [block for block in readme.split("```")[1::2] if "grafana/grafana-oss" in block]
+    assert "-e GF_SERVER_HTTP_ADDR=127.0.0.1" in recipe
+    assert "-e GF_SECURITY_ADMIN_PASSWORD " in recipe and "GF_SECURITY_ADMIN_PASSWORD=" not in recipe.split("docker run")[1]
+    assert "admin/admin" not in readme
