@@ -6,6 +6,7 @@ run pages `recgrid train` links to (test_launcher.py) share it."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import secrets
@@ -48,7 +49,15 @@ class MlflowServer:
         """(status, body) of a GET; with the admin's credentials unless `user` is None (anonymous)
         or given."""
         url = path_or_url if path_or_url.startswith("http") else self.url + path_or_url
-        req = urllib.request.Request(url)
+        return self._send(urllib.request.Request(url), user, password, timeout)
+
+    def post(self, path: str, body: dict, user: str | None = "", password: str | None = None, timeout: float = 120):
+        """(status, body) of a JSON POST, with credentials as `get`."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return self._send(req, user, password, timeout)
+
+    def _send(self, req: urllib.request.Request, user: str | None, password: str | None, timeout: float):
         if user is not None:
             user, password = (user or self.user), (password if password is not None else self.password)
             req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import json
 import math
 import os
 import re
@@ -110,6 +111,13 @@ def _ray_specs() -> list[tuple[str, dict]]:
 
 
 POD_TEMPLATES = [(f"{d['metadata']['name']}/{role}", t) for _, d in DOCS for role, t in _pod_templates(d)]
+
+
+def _cluster_of(doc: dict) -> str | None:
+    """The `ray.io/cluster` KubeRay labels a Ray object's pods with: a RayCluster's name, or for a
+    RayJob the cluster it creates, named `<rayjob>-<5 random characters>`."""
+    name = doc["metadata"]["name"]
+    return {"RayCluster": name, "RayJob": f"{name}-x7k2q"}.get(doc["kind"])
 
 
 # ---- schema validation ------------------------------------------------------------------------
@@ -220,12 +228,19 @@ def _in_namespace_only(peer: dict) -> bool:
     return (ns.get("matchLabels") or {}).get("kubernetes.io/metadata.name") == NAMESPACE and not ns.get("matchExpressions")
 
 
-def _pod_labels(doc_kind: str, role: str, template: dict) -> dict:
-    return {**(template.get("metadata", {}).get("labels") or {}), **KUBERAY_POD_LABELS.get(role, {})}
+def _pod_labels(cluster: str | None, role: str, template: dict) -> dict:
+    """A pod's labels: its template's, and KubeRay's for a Ray pod of `cluster`."""
+    kuberay = {**KUBERAY_POD_LABELS[role], "ray.io/cluster": cluster} if role in KUBERAY_POD_LABELS else {}
+    return {**(template.get("metadata", {}).get("labels") or {}), **kuberay}
+
+
+# (what, labels) of every pod the manifests make
+POD_LABELS = [(f"{d['metadata']['name']}/{role}", _pod_labels(_cluster_of(d), role, t))
+              for _, d in DOCS for role, t in _pod_templates(d)]
 
 
 def test_network_policy_admits_ray_and_mlflow_ports_only_from_the_namespace():
-    heads = [_pod_labels("RayCluster", "head", s["headGroupSpec"]["template"]) for _, s in _ray_specs()]
+    heads = [labels for what, labels in POD_LABELS if labels.get("ray.io/node-type") == "head"]
     (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
     mlflow_labels = mlflow["spec"]["template"]["metadata"]["labels"]
     mlflow_port = mlflow["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
@@ -249,12 +264,44 @@ def test_network_policy_semantics_are_checked():
     assert admitted_peers({"app.kubernetes.io/name": "anything-new"}, 8265) == []
 
 
+CLUSTER_KEYS = ("ray.io/cluster", "recgrid.io/rayjob")  # a Ray pod's cluster: KubeRay's label, or its RayJob's
+
+
+def _open_ingress(policy: dict) -> list[dict]:
+    """The ingress rules of `policy` that list no ports and admit a peer not named by its Ray cluster."""
+    named = lambda peer: any(k in ((peer.get("podSelector") or {}).get("matchLabels") or {}) for k in CLUSTER_KEYS)  # noqa: E731
+    return [r for r in policy["spec"].get("ingress") or [] if not r.get("ports") and not all(map(named, r.get("from") or [{}]))]
+
+
+def test_ray_pods_admit_only_their_own_cluster_on_every_port():
+    """torch's TCPStores and torchft's manager servers listen on every interface of a Ray pod: it
+    admits, on every port, only pods of its own cluster (one policy per cluster); anyone else only
+    on the ports a rule lists (the operator and the submitters the heads' dashboard port)."""
+    ray_pods = [(w, labels) for w, labels in POD_LABELS if labels.get("app.kubernetes.io/name") == "ray"]
+    policies = [p for p in _kind("NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and any(_selects(p["spec"]["podSelector"], labels) for _, labels in ray_pods)]
+    for policy in policies:
+        assert not _open_ingress(policy), f"{policy['metadata']['name']} admits on every port: {_open_ingress(policy)}"
+    admits = lambda peers, labels: any("namespaceSelector" not in p and _selects(p["podSelector"], labels)  # noqa: E731
+                                       for p in peers)
+    for what, labels in ray_pods:
+        for other, other_labels in ray_pods:  # 29500: any port no rule lists (a TCPStore's)
+            same = labels["ray.io/cluster"] == other_labels["ray.io/cluster"]
+            assert admits(admitted_peers(labels, 29500), other_labels) == same, f"{what} admits {other}: {not same}"
+        head = labels["ray.io/node-type"] == "head"
+        for client in (OPERATOR_LABELS, {"app.kubernetes.io/name": "ray-submitter"}):
+            assert admits(admitted_peers(labels, 8265, "dashboard"), client) == head, (what, client)
+            assert not admits(admitted_peers(labels, 6379, "gcs-server"), client), (what, client)
+    assert _open_ingress({"spec": {"ingress": [{"from": [{"podSelector": {}}]}]}})  # the checker: the old rule
+    assert not _open_ingress({"spec": {"ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": 8080}]}]}})
+
+
 def test_postgres_only_from_mlflow_and_metrics_from_monitoring():
     (pg,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-postgres"]
     peers = admitted_peers(pg["spec"]["template"]["metadata"]["labels"], 5432, "postgres")
     assert peers and all(_in_namespace_only(p) for p in peers)
     (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
-    ray_head = _pod_labels("RayCluster", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
+    ray_head = _pod_labels("recgrid-cpu", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
     assert all(_selects(p["podSelector"], mlflow["spec"]["template"]["metadata"]["labels"]) for p in peers)
     assert not any(_selects(p["podSelector"], ray_head) for p in peers), "Ray pods may reach PostgreSQL"
     metrics = admitted_peers(ray_head, 8080, "metrics")
@@ -296,13 +343,16 @@ def admits_ip(rules: list[dict] | None, ip: str, port: int = 80) -> bool:
     return False
 
 
-EGRESS_PODS = [(w, _pod_labels("", w.rsplit("/", 1)[1], t)) for w, t in POD_TEMPLATES] + [("kuberay-operator", OPERATOR_LABELS)]
+EGRESS_PODS = POD_LABELS + [("kuberay-operator", OPERATOR_LABELS)]
 
 
 @pytest.mark.parametrize("what,labels", EGRESS_PODS, ids=[w for w, _ in EGRESS_PODS])
 def test_egress_is_denied_by_default_and_never_reaches_cloud_metadata(what, labels):
     rules = egress_rules(labels)
     assert rules is not None, f"{what}: no egress policy selects it: all egress is open"
+    if labels.get("app.kubernetes.io/name") == "postgres":
+        assert rules == [], f"{what}: PostgreSQL has egress: {rules}"
+        return
     for port in (80, 443, 53):
         assert not admits_ip(rules, str(METADATA_IP), port), f"{what}: may reach {METADATA_IP}:{port}"
     assert not admits_ip(rules, "8.8.8.8", 53) and not admits_ip(rules, "93.184.215.14", 80), f"{what}: open egress"
@@ -315,16 +365,25 @@ def test_egress_is_denied_by_default_and_never_reaches_cloud_metadata(what, labe
                 if net.prefixlen == 0:
                     assert any(METADATA_IP in e for e in excepted), f"{what}: 0.0.0.0/0 without the metadata range excepted"
                     assert rule.get("ports"), f"{what}: 0.0.0.0/0 on every port"
-    # DNS and this namespace are the exceptions every pod has
+    # DNS is the exception every pod has; the pods it reaches are named, never the whole namespace
     dns = [r for r in rules if _port_matches(r.get("ports"), 53, None) and r.get("ports") and any(
         (p.get("namespaceSelector") or {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == "kube-system"
         for p in r["to"])]
     assert dns, f"{what}: no DNS"
-    assert any(p == {"podSelector": {}} for r in rules for p in r["to"]), f"{what}: cannot reach its own namespace"
+    assert not any(p.get("podSelector") == {} and "namespaceSelector" not in p for r in rules for p in r["to"]), \
+        f"{what}: may reach every pod of the namespace"
+
+
+def test_mlflow_egress_reaches_postgres_only():
+    (mlflow,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == "recgrid-mlflow"]
+    rules = [r for r in egress_rules(mlflow["spec"]["template"]["metadata"]["labels"]) if 53 not in
+             {p.get("port") for p in r.get("ports", [])}]
+    assert rules and all(r.get("ports") == [{"port": 5432, "protocol": "TCP"}] and r["to"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "postgres"}}}] for r in rules), rules
 
 
 def test_ray_pods_reach_only_the_named_object_storage():
-    head = _pod_labels("", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
+    head = _pod_labels("recgrid-cpu", "head", _kind("RayCluster")[0]["spec"]["headGroupSpec"]["template"])
     rules = egress_rules(head)
     blocks = [ipaddress.ip_network(p["ipBlock"]["cidr"]) for r in rules for p in r["to"] if "ipBlock" in p]
     assert blocks and all(b.prefixlen > 0 for b in blocks), blocks  # named CIDRs, not the internet
@@ -345,8 +404,7 @@ def test_mlflow_admits_only_the_ray_pods_and_named_clients():
     peers = admitted_peers(mlflow["spec"]["template"]["metadata"]["labels"], 5000, "http")
     assert peers and all(_in_namespace_only(p) for p in peers)
     admitted = lambda labels: any(_selects(p["podSelector"], labels) for p in peers)  # noqa: E731
-    for what, template in POD_TEMPLATES:
-        labels = _pod_labels("", what.rsplit("/", 1)[1], template)
+    for what, labels in POD_LABELS:
         assert admitted(labels) == (labels.get("app.kubernetes.io/name") == "ray"), f"{what}: MLflow admits it: {admitted(labels)}"
     assert admitted({"recgrid.io/mlflow-client": "true"})
     assert not admitted({"app.kubernetes.io/name": "someone-elses-job"}) and not admitted(OPERATOR_LABELS)
@@ -380,6 +438,16 @@ def test_mlflow_server_with_the_manifests_auth_settings_refuses_anonymous_reques
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+    # one user per team (k8s/README.md, step 4): a team's experiment is closed to another team's user
+    users = {team: (team, f"{team}-{os.urandom(12).hex()}") for team in ("team-a", "team-b")}
+    for name, password in users.values():
+        assert mlflow_server.post("/api/2.0/mlflow/users/create", {"username": name, "password": password})[0] == 200
+    status, body = mlflow_server.post("/api/2.0/mlflow/experiments/create", {"name": "team-a-only"}, *users["team-a"])
+    assert status == 200, body
+    get = f"/api/2.0/mlflow/experiments/get?experiment_id={json.loads(body)['experiment_id']}"
+    assert mlflow_server.get(get, *users["team-a"])[0] == 200
+    assert mlflow_server.get(get, *users["team-b"])[0] == 403, "another team's user reads the experiment"
 
 
 def _quantity(q) -> Fraction:
@@ -583,10 +651,14 @@ def test_rayjob_runs_a_valid_recgrid_command_on_a_cluster_that_fits_it(job):
     spec = job["spec"]
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
     cfg = _entrypoint_config(job)
-    # the cluster the job creates is the RayCluster of the same instance, field for field
+    # the cluster the job creates is the RayCluster of the same instance, field for field, but for the
+    # label its pods carry for the network policy (KubeRay names the job's cluster <rayjob>-<random>)
     instance = job["metadata"]["labels"]["app.kubernetes.io/instance"]
     (cluster,) = [c for c in _kind("RayCluster") if c["metadata"]["name"] == instance]
-    assert spec["rayClusterSpec"] == cluster["spec"]
+    own = copy.deepcopy(spec["rayClusterSpec"])
+    for _, template in _ray_templates(own):
+        assert template["metadata"]["labels"].pop("recgrid.io/rayjob") == job["metadata"]["name"]
+    assert own == cluster["spec"]
     (group,) = spec["rayClusterSpec"]["workerGroupSpecs"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     gpus = int(limits.get("nvidia.com/gpu", 0))
