@@ -18,6 +18,7 @@ Invalid torchft configs fail before any worker starts, with a sentence naming th
 import os
 import random
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -57,6 +58,40 @@ def _events(st: dict) -> list[dict]:
     return [e for e in st["events"] if "seconds" in e]
 
 
+def _tcp_sockets() -> dict[str, tuple[str, int, int, str]]:
+    """(local address, local port, remote port, state) by socket inode, from /proc/net/tcp and tcp6."""
+    out = {}
+    for family, table in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            (addr, port), (_, rport) = (c.split(":") for c in cols[1:3])
+            raw = bytes.fromhex(addr)  # the kernel's 32-bit words, each in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out[cols[9]] = (socket.inet_ntop(family, raw), int(port, 16), int(rport, 16), cols[3])
+    return out
+
+
+def _inodes(pid: int) -> set[str]:
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return {link[8:-1] for link in links if link.startswith("socket:[")}
+
+
+def lighthouse_listens(worker_pids) -> list[str]:
+    """Where torchft's lighthouse listens (address:port, from the kernel's socket tables): the
+    listening sockets of Ray's LighthouseServerActor processes that the job's workers are connected to."""
+    sockets = _tcp_sockets()
+    dialled = {sockets[i][2] for pid in worker_pids for i in _inodes(pid) if i in sockets and sockets[i][3] == "01"}
+    actors = [int(p) for p in os.listdir("/proc") if p.isdigit()
+              and Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::LighthouseServerActor")]
+    return sorted(f"{sockets[i][0]}:{sockets[i][1]}" for pid in actors for i in _inodes(pid)
+                  if i in sockets and sockets[i][3] == "0A" and sockets[i][1] in dialled)
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, shared_ray):
     tmp = tmp_path_factory.mktemp("torchft")
@@ -74,6 +109,7 @@ def job(tmp_path_factory, shared_ray):
         workers = _workers(st)
         if n == 0:  # any worker, after the first sync
             victim = rng.randrange(T)
+            lighthouse = lighthouse_listens([w["pid"] for w in workers.values()])
         else:  # the worker that logs to MLflow now
             victim = max((w.get("logging_since", 0), r) for r, w in workers.items())[1]
         pids = {r: w["pid"] for r, w in workers.items()}
@@ -88,6 +124,7 @@ def job(tmp_path_factory, shared_ray):
     result = bg.join()
     assert result.status == "FINISHED", result.error
     out = {"config": config, "result": result, "kills": kills, "tmp": tmp, "seconds": time.time() - t0,
+           "lighthouse": lighthouse,
            "final": {r: w for r, w in _workers({"attempts": result.attempts}).items()},
            "all": [(r, w) for a in result.attempts for r, w in a["workers"].items()]}
     for k in kills:
@@ -110,6 +147,8 @@ def test_job_finishes_in_one_mlflow_run_with_both_recoveries(job):
     assert run.info.run_id == job["result"].run_id and run.info.status == "FINISHED"
     m, tags, rid = run.data.metrics, run.data.tags, run.info.run_id
     assert run.data.params["train.fault_tolerance"] == "torchft"
+    # a local job's lighthouse (quorums, a kill route) listens on loopback only, as the kernel says
+    assert job["lighthouse"] and all(a.startswith(("127.", "::1:")) for a in job["lighthouse"]), job["lighthouse"]
     assert m["recovery/count"] == 2 and m["recovery/steps_lost"] == 0
     for n, kill in enumerate(job["kills"], 1):
         assert tags[f"recovery/source/{n}"] == "peer"

@@ -78,6 +78,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended b
 # (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
 # managers beat every 100 ms
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
+LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
 
 
 class Interrupted(KeyboardInterrupt):
@@ -554,9 +555,25 @@ def torch_config(config: JobConfig) -> Any:
 
     backend = process_group_backend(device_type_for(config.train.use_gpu))
     if config.fault_tolerance == "torchft":
+        import socket
+
+        import ray
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
-        return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},
+        # The lighthouse (quorums, a kill route) listens on this node's own address, not Ray's default
+        # [::]: Ray starts it on the controller's node, the driver's, and torchft's workers dial
+        # http://<that node's hostname>:<port>. A local cluster (no RAY_ADDRESS: connect_ray) binds the
+        # address the hostname resolves to, loopback on the usual host; a cluster binds the node's IP.
+        if os.environ.get("RAY_ADDRESS"):
+            host = ray.util.get_node_ip_address()
+        else:
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = LOCAL_LIGHTHOUSE_HOST
+        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+        return TorchftConfig(lighthouse_kwargs={"bind": bind, "min_replicas": 1,
+                                                "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},
                              backend=backend)
     return TorchConfig(backend=backend)
 
