@@ -73,9 +73,14 @@ def recommend(candidates: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     return chosen, _reason(chosen, candidates, max(c.qps for c in candidates if c.feasible))
 
 
+def _memory(c: Candidate, text: str) -> str:
+    """`text` with the candidate's peak memory, or "" where memory is not priced (CPU workers)."""
+    return "" if c.capacity_bytes == float("inf") else text.format(f"{c.peak_bytes / GB:.1f} GB")
+
+
 def _reason(rec: Candidate, candidates: Sequence[Candidate], top: float) -> str:
     M, K = rec.num_groups, rec.sync_every
-    parts = [f"M={M}, K={K}: {rec.qps / 1e6:.2f} M samples/s at {rec.peak_bytes / GB:.1f} GB per GPU"]
+    parts = [f"M={M}, K={K}: {rec.qps / 1e6:.2f} M samples/s" + _memory(rec, " at {} per GPU")]
     base = next((c for c in candidates if c.num_groups == 1), None)
     if base is not None and M > 1:
         gain = [f"{rec.qps / base.qps:.2f}x the QPS of full model parallelism (M=1)"]
@@ -98,12 +103,12 @@ def _reason(rec: Candidate, candidates: Sequence[Candidate], top: float) -> str:
                          f"(> {best_next.capacity_bytes / GB:.0f} GB)")
         elif best_next.qps <= rec.qps:
             parts.append(f"M={larger[0]} is slower ({best_next.qps / 1e6:.2f} M/s at best, replica sync "
-                         f"{best_next.sync_per_sync_s * 1e3:.0f} ms per sync) and needs "
-                         f"{best_next.peak_bytes / GB:.1f} GB per GPU")
+                         f"{best_next.sync_per_sync_s * 1e3:.0f} ms per sync)"
+                         + _memory(best_next, " and needs {} per GPU"))
         else:
             parts.append(f"M={larger[0]} is at most {best_next.qps / rec.qps - 1:.1%} faster "
                          f"({best_next.qps / 1e6:.2f} M/s), within the {QPS_TOLERANCE:.0%} tie band, for "
-                         f"{larger[0] // M}x the copies and {best_next.peak_bytes / GB:.1f} GB per GPU")
+                         f"{larger[0] // M}x the copies" + _memory(best_next, " and {} per GPU"))
     if M > 1:
         same_m = [c for c in candidates if c.num_groups == M and c.feasible]
         if K > min(c.sync_every for c in same_m):
@@ -172,8 +177,8 @@ def job_lines(job: Candidate | None) -> list[str]:
     if job is None:
         return []
     mix = mix_text({p.name: p.sharding_type for p in job.placements})
-    out = ["", f"the job's plan (M={job.num_groups}, K={job.sync_every}, {job.layout}, what model.sharding: auto runs): "
-               f"{mix}; predicted {job.qps:,.0f} samples/s, step {job.step_s * 1e3:.2f} ms"]
+    out = ["", f"the job's plan (M={job.num_groups}, K={job.sync_every}, {job.layout}, what model.sharding: auto "
+               f"runs): {mix}; predicted {job.qps:,.0f} samples/s, step {job.step_s * 1e3:.2f} ms"]
     return out + [f"  {p.name:<12} {p.label()}" for p in job.placements]
 
 
