@@ -115,7 +115,7 @@ def test_model_parallel_lookup_memory_per_gpu_does_not_grow_with_t(table2):
 @pytest.mark.xfail(strict=True, reason=(
     "Not reproduced by the cost model (see the closing report of issue 9): full model parallelism of "
     "the 1.7 TB model fits 80 GB at every T (TorchRec's planner shards most tables table-row-wise, "
-    "under 3.7 GB of lookup activations per GPU on average whatever T; peak 17-27 GB)."))
+    "under 3.7 GB of lookup activations per GPU on average whatever T; peak 15-27 GB)."))
 def test_table2_model_parallel_runs_out_of_memory_beyond_1024(table2):
     assert [table2[(T, "model_parallel")].oom for T in GPUS] == [T > 1024 for T in GPUS]
 

@@ -11,7 +11,10 @@ One parent MLflow run holds the sweep; each configuration is a child run (`mlflo
 the same run `recgrid train` makes. The table compares, per configuration: QPS (median over
 logging intervals), peak and mean worker memory, lookup imbalance (median over intervals), the
 replica-sync share of step time (sync seconds / wall seconds over the run), eval NE and AUC, each
-also relative to M = 1 (percent change; the sync share in percentage points). Without M = 1 in
+also relative to M = 1 (percent change; the sync share in percentage points), and what each
+configuration ran: the sharding types of its recorded plan by count (with `model.sharding: auto`
+every M runs its planner's plan, `plan.planner`: the search `recgrid plan` runs, priced for the
+device, so the M = 1 baseline is planned as well as the rest). Without M = 1 in
 the sweep, the smallest M is the reference and the table says so. Each change is marked better or
 worse (QPS and AUC: higher is better; memory, imbalance, sync share and NE: lower), and a caveat
 under the table says how short and how few the runs were (one seed each: quality differences this
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import sys
 import tempfile
 import textwrap
@@ -228,8 +232,26 @@ def table_row(variant: Variant, result: Any, client: Any) -> dict[str, Any]:
         "sync_share": (sum(sync_s) / sum(wall_s)) if wall_s and sum(wall_s) > 0 else None,
         "eval_ne": m.get("eval/ne"),
         "eval_auc": m.get("eval/auc"),
+        "sharding": ran_sharding(client, result.run_id),
         "seconds": result.seconds,
     }
+
+
+def ran_sharding(client: Any, run_id: str | None) -> str:
+    """What a configuration ran: its recorded plan's (`sharding_plan.json`) sharding types by count,
+    e.g. "table_wise 26"; "" when the run recorded none."""
+    from mlflow.exceptions import MlflowException
+
+    from recgrid.plan.report import mix_text
+
+    if not run_id:
+        return ""
+    with tempfile.TemporaryDirectory(prefix="recgrid-compare-") as tmp:
+        try:
+            record = json.loads(Path(client.download_artifacts(run_id, "sharding_plan.json", tmp)).read_text())
+        except (MlflowException, OSError, ValueError):  # none recorded (a run that failed before planning)
+            return ""
+    return mix_text({table: r["sharding_type"] for table, r in record.items()})
 
 
 def is_configuration_fault(error: str | None) -> bool:
@@ -296,8 +318,8 @@ def verdict(key: str, rel: float) -> str:
 def markdown_table(rows: list[dict[str, Any]], reference: dict[str, Any], note: str) -> str:
     """The table as Markdown (padded, so it reads in a terminal too), each value with its change
     against the reference in brackets, and the note under it."""
-    header = ["config", "L", "status"] + [h for _, h, _, _ in COLUMNS]
-    body = [[r["config"], str(r["L"]), r["status"]]
+    header = ["config", "L", "status", "sharding"] + [h for _, h, _, _ in COLUMNS]
+    body = [[r["config"], str(r["L"]), r["status"], r.get("sharding") or "n/a"]
             + [_cell(r, k, f, kind, r is reference) for k, _, f, kind in COLUMNS] for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
@@ -312,7 +334,7 @@ def csv_table(rows: list[dict[str, Any]], reference: dict[str, Any]) -> str:
     keys = ["config", "run_id", "status", "T", "M", "L", "K"]
     for key, _, _, kind in COLUMNS:
         keys += [key, f"{key}_rel_{'pp' if kind == 'pp' else 'pct'}"]
-    keys += ["reference", "seconds"]
+    keys += ["sharding", "reference", "seconds"]
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=keys, lineterminator="\n")
     writer.writeheader()
