@@ -31,6 +31,8 @@ Actors are created on first use (`LazyActor`), so importing this module needs no
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from typing import Any
 
@@ -56,20 +58,28 @@ class JobControlImpl:
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
+        # the actor serves 4 calls at once, and Ray serialises a return value after the method returned: the
+        # attempts' and groups' records are changed, and handed out as copies, under this lock (a reply
+        # serialised while a commit appended to a group's history reached a worker as msgpack it could not
+        # read, and failed the job)
+        self._lock = threading.RLock()
 
     def begin_attempt(self, world_size: int) -> int:
-        self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
-                              "failure_time": self.failure_time, "last_step_before": self.last_step})
-        self.failure_time = None
-        return len(self.attempts) - 1
+        with self._lock:
+            self.attempts.append({"start": time.time(), "world_size": world_size, "workers": {},
+                                  "failure_time": self.failure_time, "last_step_before": self.last_step})
+            self.failure_time = None
+            return len(self.attempts) - 1
 
     def register(self, attempt: int, rank: int, pid: int, node_id: str) -> None:
         """A worker of `attempt` started; once all have, `console` hands the attempts to the driver."""
-        self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
+        with self._lock:
+            self.attempts[attempt]["workers"][rank] = {"pid": pid, "node": node_id}
 
     def note(self, attempt: int, rank: int, fields: dict[str, Any]) -> None:
         """Add `fields` to a registered worker's record (torchft replicas: ready, table checksums)."""
-        self.attempts[attempt]["workers"][rank].update(fields)
+        with self._lock:
+            self.attempts[attempt]["workers"][rank].update(fields)
 
     def failure_detected(self, when: float) -> None:
         if self.failure_time is None:
@@ -100,8 +110,9 @@ class JobControlImpl:
         """The console lines from number `since` on, the newest step any attempt finished, how many
         attempts have all their workers registered, and, when that is more than `complete` (what
         the caller last saw), every attempt's record (for the run's grid/ranks.json)."""
-        now = sum(len(a["workers"]) == a["world_size"] for a in self.attempts)
-        return self.lines[since:], self.last_step, now, self.attempts if now > complete else None
+        with self._lock:
+            now = sum(len(a["workers"]) == a["world_size"] for a in self.attempts)
+            return self.lines[since:], self.last_step, now, copy.deepcopy(self.attempts) if now > complete else None
 
     def claim_step(self, name: str, step: int) -> bool:
         """True the first time series `name` asks for `step`: a value logged once per step, restarts included."""
@@ -117,49 +128,55 @@ class JobControlImpl:
         The last GROUP_HISTORY commits' (time, step) are kept for the recovery's rates, and the
         group's cursor at every storage checkpoint step (a multiple of `checkpoint_every`) it
         committed or was away for (then its cursor stood where its last commit left it)."""
-        g = self.groups.setdefault(group, {"history": []})
-        if checkpoint_every:
-            before, kept = g.get("step", 0), g.get("cursor")
-            for s in range(before // checkpoint_every * checkpoint_every + checkpoint_every, step, checkpoint_every):
-                self.pins.setdefault(s, {})[group] = kept  # away at s (None: before its first commit)
-            if step % checkpoint_every == 0:
-                self.pins.setdefault(step, {})[group] = cursor
-            for s in sorted(self.pins)[:-PINS_KEPT]:
-                del self.pins[s]
-        g.update(step=step, cursor=cursor, at=when)
-        g["history"].append((when, step))
-        del g["history"][:-GROUP_HISTORY]
+        with self._lock:
+            g = self.groups.setdefault(group, {"history": []})
+            if checkpoint_every:
+                before, kept = g.get("step", 0), g.get("cursor")
+                for s in range(before // checkpoint_every * checkpoint_every + checkpoint_every, step, checkpoint_every):
+                    self.pins.setdefault(s, {})[group] = kept  # away at s (None: before its first commit)
+                if step % checkpoint_every == 0:
+                    self.pins.setdefault(step, {})[group] = cursor
+                for s in sorted(self.pins)[:-PINS_KEPT]:
+                    del self.pins[s]
+            g.update(step=step, cursor=cursor, at=when)
+            g["history"].append((when, step))
+            del g["history"][:-GROUP_HISTORY]
 
     def cursors_at(self, step: int) -> dict[int, dict[str, Any] | None]:
         """Every sharding group's data cursor at storage checkpoint step `step` (None: the start of
         its parts): pinned when it committed that step or moved past it, else its newest (it has
         not got that far)."""
-        pinned = self.pins.get(step, {})
-        return {g: pinned[g] if g in pinned else p.get("cursor") if p.get("step", 0) <= step else None
-                for g, p in self.groups.items()}
+        with self._lock:
+            pinned = self.pins.get(step, {})
+            return {g: pinned[g] if g in pinned else p.get("cursor") if p.get("step", 0) <= step else None
+                    for g, p in self.groups.items()}
 
     def rewind_groups(self, step: int) -> dict[int, dict[str, Any] | None]:
         """A sharding group restored the storage checkpoint of `step`: every group goes back to its
         cursor there (`cursors_at`; a group rebuilt later reads on from it). Returns the cursors (the
         same to every group restoring it)."""
-        cursors = self.cursors_at(step)
-        for g, p in self.groups.items():
-            if p.get("step", 0) > step:
-                p.update(step=step, cursor=cursors[g])
-        for s in [s for s in self.pins if s > step]:
-            del self.pins[s]
-        return cursors
+        with self._lock:
+            cursors = self.cursors_at(step)
+            for g, p in self.groups.items():
+                if p.get("step", 0) > step:
+                    p.update(step=step, cursor=cursors[g])
+            for s in [s for s in self.pins if s > step]:
+                del self.pins[s]
+            return cursors
 
     def group_status(self, group: int | None = None) -> dict[Any, Any]:
         """Every sharding group's newest commit (or `group`'s: {} before its first)."""
-        return self.groups.get(group, {}) if group is not None else self.groups
+        with self._lock:
+            return copy.deepcopy(self.groups.get(group, {}) if group is not None else self.groups)
 
     def mark_logged(self, step: int) -> None:
         self.logged_upto = max(self.logged_upto, step)
 
     def status(self) -> dict[str, Any]:
-        return {"attempts": self.attempts, "last_step": self.last_step, "logged_upto": self.logged_upto,
-                "failure_time": self.failure_time, "stop": self.stop, "final": self.final}
+        with self._lock:
+            return {"attempts": copy.deepcopy(self.attempts), "last_step": self.last_step,
+                    "logged_upto": self.logged_upto, "failure_time": self.failure_time, "stop": self.stop,
+                    "final": self.final}
 
 
 class LazyActor:
