@@ -113,6 +113,27 @@ def test_sniff_and_expand_inputs(tmp_path):
     assert os.path.exists(tmp_path / "d" / ".tmp-partial")
 
 
+def test_double_star_is_zero_or_more_directories_in_every_module(tmp_path, monkeypatch):
+    """`DIR/**/*.gz` as Ray Data and fsspec read it: DIR's own files and those below, for the
+    data reader and the config's validation alike (non-recursive, it had matched DIR/day0's alone)."""
+    from recgrid.config import ConfigError, load_config
+
+    nested, flat = tmp_path / "nested", tmp_path / "flat"
+    (nested / "day0").mkdir(parents=True)
+    flat.mkdir()
+    files = [nested / "a.tsv.gz", nested / "b.tsv.gz", nested / "day0" / "c.tsv.gz", nested / "day0" / "d.tsv.gz",
+             flat / "a.tsv.gz", flat / "b.tsv.gz"]
+    for f in files:
+        f.write_bytes(gzip.compress(GOOD.encode()))
+    assert expand_inputs(f"{nested}/**/*.gz") == sorted(map(str, files[:4]))
+    assert expand_inputs(f"{flat}/**/*.gz") == sorted(map(str, files[4:]))
+    assert expand_inputs(f"{nested}/**") == sorted(map(str, files[:4]))  # directories stand for their files
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None, ["data.train=flat/**/*.gz", "data.eval=nested/**/*.gz"]).data.eval == ["nested/**/*.gz"]
+    with pytest.raises(ConfigError, match=r"^data\.train: no file matches 'flat/\*\*/\*\.parquet'"):
+        load_config(None, ["data.train=flat/**/*.parquet"])
+
+
 def test_binary_junk_fails_fast_with_a_clear_error(tmp_path):
     path = tmp_path / "junk"
     path.write_bytes(b"\x00\x01" * (1 << 20))  # 2 MiB, no newline: not text

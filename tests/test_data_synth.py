@@ -1,10 +1,12 @@
 """`recgrid synth`: same seed same bytes, hex that maps back to the intended ids, Criteo-like
-statistics, and a planted signal that logistic regression learns (shuffled labels: nothing)."""
+statistics, and a planted signal that logistic regression learns (shuffled labels: nothing);
+`data.synth_if_missing` writes only into a missing or empty directory."""
 
 from __future__ import annotations
 
 import filecmp
 import os
+import re
 
 import numpy as np
 import pyarrow.compute as pc
@@ -15,7 +17,7 @@ import torch
 from recgrid import cli
 from recgrid.data.criteo import ROW_ID, read_raw
 from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES, get_spec
-from recgrid.data.synth import POSITIVE_RATE, HiddenModel, synth_table, write_synth
+from recgrid.data.synth import POSITIVE_RATE, HiddenModel, ensure_synth, synth_table, write_synth
 
 
 @pytest.mark.parametrize("fmt", ["tsv", "tsv.gz", "parquet"])
@@ -115,3 +117,32 @@ def test_planted_signal_is_learnable_and_shuffled_labels_are_not(tmp_path):
     print(f"held-out NE: planted {ne:.3f}, shuffled labels {ne_shuffled:.3f}")
     assert ne < 0.8
     assert 0.98 < ne_shuffled < 1.06
+
+
+def test_synthetic_data_is_written_only_where_no_file_is(tmp_path):
+    """A glob that matches nothing beside the user's files is an error naming the glob and the
+    directory, and the directory is unchanged; a missing directory gets the synthetic files."""
+    from recgrid.config import ConfigError, load_config
+    from recgrid.launch.ray import ensure_data
+
+    user = tmp_path / "user"
+    (user / "day0").mkdir(parents=True)
+    for name in ("a.tsv.gz", "b.tsv.gz", "day0/c.tsv.gz"):
+        (user / name).write_bytes(b"the user's rows")
+    before = sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in user.rglob("*"))
+    config = load_config(None, [f"data.train={user}/*.parquet", f"data.eval={tmp_path}/eval/*.parquet",
+                                "data.synth_if_missing=true", "data.synth_rows=100", "data.synth_eval_rows=100"])
+    with pytest.raises(ConfigError, match=rf"^data\.train: {re.escape(repr(f'{user}/*.parquet'))} matches no file, "
+                                          rf"but {re.escape(str(user))} holds a\.tsv\.gz, b\.tsv\.gz, day0: .*never "
+                                          r"beside other files"):
+        ensure_data(config)
+    assert sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in user.rglob("*")) == before
+    assert not (tmp_path / "eval").exists()  # nothing written for the eval glob either: the job stopped first
+    spec = get_spec("tiny")
+    assert ensure_synth(f"{user}/**/*.gz", 100, spec, 0, 0) == []  # matches the user's 3 files: nothing written
+    # a glob the synthetic files would not match: refused, and the directories made for them removed
+    with pytest.raises(ValueError, match=r"'.*/new/deeper/day\*\.parquet' does not match the synthetic files"):
+        ensure_synth(f"{tmp_path}/new/deeper/day*.parquet", 100, spec, 0, 0, say=lambda _: None)
+    assert not (tmp_path / "new").exists()
+    written = ensure_synth(f"{tmp_path}/new/**/*.parquet", 100, spec, 0, 0, say=lambda _: None)
+    assert written == [str(tmp_path / "new" / "part-00000-of-00001.parquet")]

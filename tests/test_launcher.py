@@ -206,6 +206,16 @@ def check_m2_run(client, m2, run, sharding_plan, derived, derived_prefixes, defa
     assert final["sync/count"] == 12  # 60 steps / K=5
     assert final["eval/examples"] == 8000  # every eval row, once
     assert final["train/qps_median"] > 0
+    # the run's Datasets: the training and eval data, named by their globs, with rows and a digest
+    import json
+
+    datasets = {next(t.value for t in i.tags if t.key == "mlflow.data.context"): i.dataset
+                for i in run.inputs.dataset_inputs}
+    assert set(datasets) == {"training", "eval"}, datasets
+    assert datasets["training"].name.endswith("/data/train/*.parquet")
+    assert datasets["eval"].name.endswith("/data/eval/*.parquet")
+    assert [json.loads(datasets[c].profile)["num_rows"] for c in ("training", "eval")] == [40000, 8000]
+    assert len({datasets["training"].digest, datasets["eval"].digest}) == 2
 
 
 def test_the_printed_mlflow_url_opens_the_run_on_the_server(two_runs):

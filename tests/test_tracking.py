@@ -93,6 +93,44 @@ def test_attach_logs_into_the_same_run(store: str) -> None:
     assert client.get_run(driver.run_id).info.status == "FINISHED"
 
 
+def test_the_runs_datasets_are_its_training_and_eval_data(store: str, tmp_path, monkeypatch) -> None:
+    """The run's Datasets: one per context, named by the globs, the rows in the profile, and a
+    digest of the file list that changes when a file changes (size or mtime), not otherwise."""
+    import json
+    import os
+
+    from recgrid.data.units import Inputs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train" / "day0").mkdir(parents=True)
+    (tmp_path / "eval").mkdir()
+    for name, text in (("train/a.tsv", "x\n" * 3), ("train/day0/b.tsv", "x\n" * 5), ("eval/c.tsv", "x\n" * 2)):
+        (tmp_path / name).write_text(text)
+    train = Inputs((str(tmp_path / "train/a.tsv"), str(tmp_path / "train/day0/b.tsv")), (3, 5))
+    evals = Inputs((str(tmp_path / "eval/c.tsv"),), (2,))
+
+    def logged(data) -> dict:
+        tracker = Tracker(experiment="t-inputs", tracking_uri=store).start("x")
+        returned = tracker.log_inputs(data)
+        run = MlflowClient(tracking_uri=store).get_run(tracker.run_id)
+        out = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs
+               if [t.key for t in i.tags] == ["mlflow.data.context"]}
+        assert {c: (d.name, d.digest) for c, d in returned.items()} == {c: (d.name, d.digest) for c, d in out.items()}
+        return out
+
+    first = logged({"training": (["train/**/*.tsv"], train), "eval": (["eval/*.tsv", "eval/none-*.tsv"], evals)})
+    assert set(first) == {"training", "eval"}
+    assert first["training"].name == "train/**/*.tsv" and first["eval"].name == "eval/*.tsv, eval/none-*.tsv"
+    assert json.loads(first["training"].profile) == {"num_rows": 8, "num_files": 2, "num_bytes": 16}
+    assert json.loads(first["eval"].profile)["num_rows"] == 2
+    assert json.loads(first["training"].source) == {"uri": f"{tmp_path}/train/**/*.tsv"}
+    assert first["training"].source_type == "local" and first["training"].digest != first["eval"].digest
+    assert logged({"training": (["train/**/*.tsv"], train)})["training"].digest == first["training"].digest
+    os.utime(tmp_path / "train/day0/b.tsv", ns=(0, 0))  # same bytes, another mtime: another digest
+    second = logged({"training": (["train/**/*.tsv"], train), "eval": (["eval/*.tsv"], evals)})
+    assert second["training"].digest != first["training"].digest and second["eval"].digest == first["eval"].digest
+
+
 def test_uri_resolution_env_var_wins_over_default(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_tracking_uri() == default_tracking_uri()

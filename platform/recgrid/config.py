@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import glob
 import inspect
 import os
 import types
@@ -116,7 +115,7 @@ class DataConfig:
     """Where the Criteo-format rows come from and which dataset spec they follow."""
 
     train: list[str] = field(default_factory=list)
-    """Required. Glob(s) of training files: raw Criteo TSV, .gz, or parquet. One string or a list."""
+    """Required. Glob(s) of training files: raw Criteo TSV, .gz, or parquet. One string or a list; `**` matches zero or more directories (`DIR/**/*.gz`: every .gz file in DIR and below)."""
     eval: list[str] = field(default_factory=list)
     """Glob(s) of evaluation files; empty = no evaluation."""
     spec: str = "tiny"
@@ -126,7 +125,7 @@ class DataConfig:
     multi_hot: bool = False
     """Use the MLPerf synthetic multi-hot bag sizes instead of one id per feature."""
     synth_if_missing: bool = False
-    """If the globs match no file, generate synthetic Criteo-format data with a planted signal there (the launcher does it)."""
+    """If a glob matches no file, generate synthetic Criteo-format data with a planted signal in its directory (the launcher does it); only into a missing or empty directory: a glob that matches nothing beside other files is an error."""
     synth_rows: int = 100_000
     """Training rows to generate when synth_if_missing applies."""
     synth_eval_rows: int = 20_000
@@ -793,7 +792,13 @@ def _positive(path: str, value: float) -> None:
 def _matches(pattern: str) -> bool:
     if "://" in pattern:
         return True  # remote storage: Ray Data reads and checks it
-    return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
+    # the data reader's own expansion, imported here: it brings pyarrow, which reading a config needs not
+    from recgrid.data.criteo import CriteoDataError, expand_inputs
+
+    try:
+        return bool(expand_inputs(pattern))
+    except CriteoDataError:  # no file matches, or an empty directory
+        return False
 
 
 if __name__ == "__main__":  # python -m recgrid.config: print docs/reference.md's config reference

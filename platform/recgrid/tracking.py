@@ -11,6 +11,8 @@ from a browser-wide toggle instead, so `Tracker.ui_url()` gives pages in the tra
 `Tracker.ui_hint()` is the line `recgrid train` prints. Experiments also carry a shared view of
 their runs list (`RUNS_VIEW_COLUMNS`: eval NE and AUC, QPS, M and K as columns), which
 `Tracker.experiment_url()` opens. A sweep's runs are children of one parent run (`mlflow.parentRunId`).
+`Tracker.log_inputs` records the training and eval data as the run's Datasets (contexts
+`training` and `eval`: globs, row count, a digest of the file list).
 `start_system_metrics(run_id, node_id)` logs MLflow's system metrics (CPU, memory, disk,
 network, GPU) of the node it runs on into a run: one per node.
 
@@ -40,7 +42,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from recgrid.data.units import Inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = REPO_ROOT / "runs"
@@ -70,6 +75,8 @@ MAX_TAG_VAL_LENGTH = 8000
 MAX_KEY_LENGTH = 250
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
+MAX_DATASET_NAME_LENGTH = 500
+DATASET_DIGEST_LENGTH = 16  # hex digits; MLflow allows 36
 
 # distribution names to try for each component of the stack, first installed one wins
 STACK: dict[str, tuple[str, ...]] = {
@@ -303,6 +310,41 @@ class Tracker:
             if values:
                 out[f"{name}_median"] = statistics.median(values)
         self.log_metrics(out, step)
+        return out
+
+    def log_inputs(self, data: Mapping[str, tuple[Sequence[str], "Inputs"]]) -> dict[str, Any]:
+        """Log the data the job reads as the run's Datasets (MLflow run inputs), one per context
+        ("training", "eval"): `data` maps a context to the globs as the config names them and the
+        files they expanded to with their row counts (`data.units.Inputs`). A Dataset is named by
+        its globs, its source is their absolute form, its profile holds the rows, files and bytes,
+        and its digest is a hash of the file list: each file's absolute path, size and modification
+        time, in order (not the bytes: the 1TB dataset's would take an hour to read), so a run that
+        read other or changed files shows another digest. Returns each context's
+        `mlflow.entities.Dataset`."""
+        import hashlib
+        import json
+
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        run_id = self._require_run()
+        out: dict[str, Any] = {}
+        for context, (globs, inputs) in data.items():
+            if not globs:
+                raise ValueError(f"the {context} data names no glob")
+            uris = [redact_uri(g) if "://" in g else os.path.abspath(os.path.expanduser(g)) for g in globs]
+            stats = [(os.path.abspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns) for f in inputs.files]
+            out[context] = Dataset(
+                name=_cut(redact_uri(", ".join(globs)), MAX_DATASET_NAME_LENGTH),
+                digest=hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:DATASET_DIGEST_LENGTH],
+                source_type=uris[0].partition("://")[0] if "://" in uris[0] else "local",
+                # MLflow's form of a file system source for one glob; a list for several
+                source=json.dumps({"uri": uris[0]} if len(uris) == 1 else {"uris": uris}),
+                profile=json.dumps({"num_rows": sum(inputs.rows), "num_files": len(stats),
+                                    "num_bytes": sum(size for _, size, _ in stats)}),
+            )
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+                                                 for context, dataset in out.items()])
         return out
 
     def log_text(self, text: str, artifact_file: str) -> None:

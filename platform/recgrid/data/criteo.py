@@ -135,12 +135,21 @@ def sniff_format(path: str) -> str:
     return TSV
 
 
+def glob_files(pattern: str) -> list[str]:
+    """What the glob `pattern` matches here, sorted: the one reading of a data glob, for
+    validation, synthetic data and training alike. `**` stands for zero or more directories, as
+    Ray Data and fsspec read it (`DIR/**/*.gz` is every .gz file in DIR and below), `~` for the
+    home directory; names starting with '.' are not matched."""
+    return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+
+
 def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """Files named by paths, globs and directories, in order, each once.
+    """Files named by paths, globs (`glob_files`) and directories, in order, each once.
 
     A directory stands for the files directly in it, except names starting with '.' or '_'
     (temporary files and markers). A glob or directory that names no file is an error: a
-    typo must not train on nothing.
+    typo must not train on nothing. A directory a glob matches may hold no file (`DIR/**`
+    matches DIR and its sub-directories): the glob's other matches count.
     """
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
@@ -150,24 +159,24 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     for pattern in map(os.fspath, patterns):
         pattern = os.path.expanduser(pattern)
         if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern))
-            if not matches:
-                raise CriteoDataError(pattern, "glob matches no file")
+            matches = glob_files(pattern)
         elif os.path.exists(pattern):
             matches = [pattern]
         else:
             raise CriteoDataError(pattern, "no such file or directory")
+        files: list[str] = []
         for m in matches:
             if os.path.isdir(m):
-                inside = sorted(
+                files += sorted(
                     os.path.join(m, n) for n in os.listdir(m)
                     if not n.startswith((".", "_")) and os.path.isfile(os.path.join(m, n))
                 )
-                if not inside:
-                    raise CriteoDataError(m, "directory holds no data file")
-                out.update(dict.fromkeys(inside))
             else:
-                out[m] = None
+                files.append(m)
+        if not files:
+            raise CriteoDataError(pattern, "glob matches no file" if glob.has_magic(pattern)
+                                  else "directory holds no data file")
+        out.update(dict.fromkeys(files))
     return list(out)
 
 

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recgrid.data.criteo import (
-    PARQUET, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, prepared_metadata, transform_categorical, transform_dense,
+    PARQUET, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, CriteoDataError, expand_inputs, prepared_metadata,
+    transform_categorical, transform_dense,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, DatasetSpec, get_spec
 
@@ -327,12 +329,14 @@ def write_synth(
 
 def ensure_synth(pattern: str, rows: int, spec: DatasetSpec, seed: int, stream: int, say=print) -> list[str]:
     """Make sure the glob `pattern` matches data: if it matches nothing, write `rows` synthetic
-    rows where it points (format told by its suffix: .parquet, .gz, else tsv). Returns the files
-    written (none if the glob already matched)."""
-    from pathlib import Path
+    rows where it points (format told by its suffix: .parquet, .gz, else tsv), into the directory
+    before its first wildcard. Returns the files written (none if the glob already matched).
 
-    from recgrid.data.criteo import CriteoDataError, expand_inputs
-
+    Synthetic data goes only where no file is: a missing or empty directory. A glob that matches
+    nothing in a directory that holds something (the user's files, which the glob misses) is an
+    error naming both, raised before anything is written; so is a glob that would not match the
+    files written (they are removed again). Either way the directory is left as it was.
+    """
     def matches() -> bool:
         try:
             return bool(expand_inputs(pattern))
@@ -341,16 +345,31 @@ def ensure_synth(pattern: str, rows: int, spec: DatasetSpec, seed: int, stream: 
 
     if matches():
         return []
-    parts = Path(pattern).parts
+    parts = Path(os.path.expanduser(pattern)).parts
     wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts) - 1)
     out = Path(*parts[:wild]) if wild else Path(".")
+    held = sorted(os.listdir(out)) if out.is_dir() else []
+    if held or out.is_file():
+        what = ("holds " + ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+                if held else "is a file")
+        raise ValueError(f"{pattern!r} matches no file, but {out} {what}: synthetic data is written only "
+                         f"into a missing or empty directory, never beside other files; fix the glob to match "
+                         f"them, or point it at a new directory")
+    created = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)  # the top one made here
     fmt = PARQUET if pattern.endswith(".parquet") else TSV_GZ if pattern.endswith(".gz") else TSV
     say(f"{pattern!r} matches nothing; writing {rows:,} synthetic rows ({fmt}) to {out}/")
     written = write_synth(str(out), rows, files=max(1, min(8, rows // 25_000)), fmt=fmt, spec=spec, seed=seed,
                           stream=stream)
     if not matches():
-        raise ValueError(f"wrote synthetic data to {written[0]} and others, but {pattern!r} still matches none "
-                         f"of it; use a glob such as {out}/*.{fmt}")
+        for path in written:
+            os.remove(path)
+        if created is not None:  # and the directories made here, innermost first
+            for d in [out, *out.parents]:
+                d.rmdir()
+                if d == created:
+                    break
+        raise ValueError(f"{pattern!r} does not match the synthetic files it would get ({Path(written[0]).name} "
+                         f"and others in {out}/); use a glob such as {out}/*.{fmt}")
     return written
 
 

@@ -178,8 +178,10 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
 
 # ---- data -----------------------------------------------------------------------------------------
 def ensure_data(config: JobConfig) -> None:
-    """With data.synth_if_missing, generate synthetic Criteo data where the globs match nothing;
-    eval rows are a held-out draw (another stream) of the same planted model."""
+    """With data.synth_if_missing, generate synthetic Criteo data where the globs match nothing,
+    into missing or empty directories only (`data.synth.ensure_synth`: a glob that matches nothing
+    beside other files is an error); eval rows are a held-out draw (another stream) of the same
+    planted model."""
     from recgrid.data.synth import ensure_synth
 
     d = config.data
@@ -359,6 +361,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     eval_inputs = scan_inputs([str(Path(p).absolute()) for p in config.data.eval], spec) if config.data.eval else None
     say(f"data: {train_inputs.total_rows:,} training rows in {len(train_inputs.files)} file(s)"
         + (f", {eval_inputs.total_rows:,} eval rows" if eval_inputs else ""))
+    tracker.log_inputs({"training": (config.data.train, train_inputs),
+                        **({"eval": (config.data.eval, eval_inputs)} if eval_inputs else {})})
     engine = EngineConfig.from_job(config).with_compression(job_compression(config, train_inputs, tracker))
     plan = job_plan(config, engine)
     tracker.log_text(json.dumps(plan_record(plan), indent=1), "sharding_plan.json")
