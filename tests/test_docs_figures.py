@@ -56,6 +56,16 @@ def test_calibration_figures():
     said(page(), pct(cal["check"]["rows"]), pct(cal["check_microbenchmark_latencies"]["rows"]))
 
 
+def test_plan_quality_figures():
+    summary = json.loads((RESULTS / "plan_quality.json").read_text())["summary"]
+    for m in ("1", "2"):
+        s = summary[m]
+        best = s["best_fixed"]
+        assert s["meets_bar"]
+        said(page(), f"{s['auto_over_best_fixed']:.2f}x at M = {m} ({s['median_qps']['auto']:,.0f} vs "
+                     f"{best.replace('_', '-')} {s['median_qps'][best]:,.0f}")
+
+
 def test_quality_figures():
     text = page()
     q = json.loads((RESULTS / "quality.json").read_text())
