@@ -11,11 +11,10 @@ heal, and how the job ended:
   one worker per node   T=2, M=2 (L=1): the lost node held one worker, one Ray replica group
   a group per node      T=4, M=2 (L=2): the lost node held two workers, two Ray replica groups
 
-Ray 2.60's controller replaces failed replica groups one after another; replacing the first, it
-clears the result queues of every other replica group it still counts as active, the second dead
-one included, and that call's ActorDiedError is not a retryable controller error, so the run
-fails (`ray/train/v2/_internal/execution/worker_group/worker_group.py`,
-`_replace_replica_group_impl`). recgrid does not patch Ray; the second case records what happens.
+Every sharding group is a Ray Train run of its own (train/ft.py), so the lost node's group is one
+run that Ray Train restarts when capacity returns; the other run keeps its workers. (Under Ray
+2.60's TorchftConfig, which recgrid used before, the second case failed the job: its controller
+replaces single-worker replica groups one after another and fails on the second dead one.)
 
 Writes bench/results/node_loss.json (configuration, machine, figures) and prints it.
 

@@ -107,7 +107,7 @@ def test_cpu_keeps_the_plain_loop_fp32_and_the_host_clock():
 
 
 def test_a_launcher_assigned_device_is_kept_over_the_local_rank():
-    """Under torchft Ray counts local ranks per replica group of one worker (0 for every worker):
+    """Under torchft every sharding group is a Ray Train run, and runs count local ranks apart:
     the device Ray assigned wins; the local rank only picks where no launcher assigned one."""
     from recgrid.engine.device import choose_device
 

@@ -161,9 +161,9 @@ class TrainConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource (Ray Data's read tasks ask for none of them, so they may run on any node with CPUs); names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
     max_failures: int = 0
-    """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; 0 = fail on the first."""
+    """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is rebuilt (Ray replaces the dead worker, its group-mates rebuild the group in place with it) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); no elastic resize, delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); no elastic resize, delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int | None = None
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path, else 0 (a job that can never restore takes none, and torchft heals from live peer groups, not from snapshots)."""
     checkpoint_every: int | None = None
@@ -446,9 +446,9 @@ class JobConfig:
         (train/ft.py): (the field, why), or None."""
         g, t, m = self.grid, self.train, self.model
         if g.min_world_size is not None and g.min_world_size != g.world_size:
-            return ("grid.min_world_size", f"elastic jobs are not supported with train.fault_tolerance=torchft: Ray "
-                    f"2.60 replaces failed replica groups only at a fixed worker count (a resize restarts every "
-                    f"worker); leave it null (or {g.world_size})")
+            return ("grid.min_world_size", f"elastic jobs are not supported with train.fault_tolerance=torchft yet "
+                    f"(a sharding group's run that cannot be placed is not yet left out of the job); leave it null "
+                    f"(or {g.world_size})")
         if g.delayed_moment_sync:
             return ("grid.delayed_moment_sync", "not supported with train.fault_tolerance=torchft (the replica sync "
                     "goes through torchft's manager and commits with the step)")

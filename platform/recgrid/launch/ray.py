@@ -8,7 +8,8 @@ actors, which outlive every worker group (job control, `train.control`: attempts
 heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
 translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
 `LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
-`train.worker.train_worker` (or `train_group_worker` for torchft) as their body, through
+`train.worker.train_worker` as their body (under torchft one run per sharding group, side by
+side, with `train_group_worker`, and the job's torchft lighthouse in this process), through
 `train.entry` (light to import: Ray Train's controller unpickles it). When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
 
@@ -74,11 +75,6 @@ class JobActors:
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
-# torchft's lighthouse leaves out a sharding group whose manager server has not beaten for this long
-# (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
-# managers beat every 100 ms
-LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
-LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
 
 
 class Interrupted(KeyboardInterrupt):
@@ -346,12 +342,12 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import PLACEMENT_STRATEGY, record_ranks
+    from recgrid.train.placement import GROUP_RUN_PLACEMENT, PLACEMENT_STRATEGY, record_ranks
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
     from recgrid.train.checkpoint import CHECKPOINTS_KEPT
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.entry import pack, restart_worker, torchft_worker
-    from recgrid.train.ft import ShardingGroupStores
+    from recgrid.train.ft import Lighthouse, bind_host
     from recgrid.train.worker import WorkerJob
 
     spec = config.dataset_spec()
@@ -375,6 +371,9 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     if on_start is not None:
         on_start(actors)
     t = config.train
+    torchft = config.fault_tolerance == "torchft"
+    # torchft: the job's lighthouse, in this process (it outlives every sharding group's run)
+    lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS")))) if torchft else None
     job = WorkerJob(
         engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
         max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
@@ -383,41 +382,54 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
         rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
         snapshot_every_syncs=config.snapshot_every_syncs,
-        # torchft: the sharding groups rendezvous in stores that outlive every worker (train/ft.py)
-        group_stores=ShardingGroupStores.options(scheduling_strategy=here).remote()
-        if config.fault_tolerance == "torchft" else None,
+        lighthouse=lighthouse.address if lighthouse is not None else None,
     )
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
-    trainer = TorchTrainer(
-        train_loop_per_worker=restart_worker if config.fault_tolerance == "restart" else torchft_worker,
-        train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
-        scaling_config=ScalingConfig(
-            num_workers=workers,
-            use_gpu=t.use_gpu,
-            resources_per_worker=worker_resources(config),
-            # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
-            # the workers check where they landed
-            placement_strategy=PLACEMENT_STRATEGY[grid.layout],
-            **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
-        ),
-        torch_config=torch_config(config),
-        run_config=RunConfig(name=f"{config.run_name}-{tracker.run_id[:8]}", storage_path=storage_path(config),
-                             failure_config=FailureConfig(max_failures=t.max_failures),
-                             # storage checkpoints (every job writes them by default): only the newest are kept
-                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
-                             callbacks=[FailureClock(actors.control)]),
-    )
+
+    def run_config(name: str) -> Any:
+        return RunConfig(name=name, storage_path=storage_path(config),
+                         failure_config=FailureConfig(max_failures=t.max_failures),
+                         # storage checkpoints (every job writes them by default): only the newest are kept
+                         checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
+                         callbacks=[FailureClock(actors.control)])
+
+    name = f"{config.run_name}-{tracker.run_id[:8]}"
+    backend = torch_config(config)
+    if torchft:
+        # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
+        # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
+        trainers = [TorchTrainer(
+            train_loop_per_worker=torchft_worker, train_loop_config={**pack(job), "group": g},
+            scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
+                                         resources_per_worker=worker_resources(config),
+                                         placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
+            torch_config=backend, run_config=run_config(f"{name}-group{g}"))
+            for g in range(grid.num_groups)]
+    else:
+        trainers = [TorchTrainer(
+            train_loop_per_worker=restart_worker,
+            train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=t.use_gpu,
+                resources_per_worker=worker_resources(config),
+                # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
+                # the workers check where they landed
+                placement_strategy=PLACEMENT_STRATEGY[grid.layout],
+                **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
+            ),
+            torch_config=backend, run_config=run_config(name))]
     say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
         f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
         + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
-        + (", torchft: the other sharding groups keep training while a failed one is rebuilt and healed from a "
-           "live peer group" if config.fault_tolerance == "torchft" else ""))
+        + (", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
+           "is restarted and healed from a live peer group" if torchft else ""))
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
     try:
-        _fit_watched(trainer, console, interrupts or Interrupts(), actors.control)
+        _fit_watched(trainers, console, interrupts or Interrupts(), actors.control)
     except Interrupted:
         at_once = True
         raise
@@ -434,30 +446,37 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
         if not at_once:
             actors.end()
+        if lighthouse is not None:
+            lighthouse.shutdown()
     if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
         raise Interrupted((interrupts.why if interrupts else None) or "stopped", status["final"]["step"])
     return status
 
 
-def _fit_watched(trainer: Any, console: "Console", interrupts: "Interrupts", control: Any) -> None:
-    """`trainer.fit()` in a thread of its own (Ray Train then leaves SIGINT to this process), while
-    this thread prints the workers' lines and answers interrupts: the first asks the workers to stop
-    at their next sync step; a second, or `STOP_GRACE_S` without them stopping, raises `Interrupted`."""
-    box: dict[str, BaseException] = {}
+def _fit_watched(trainers: list[Any], console: "Console", interrupts: "Interrupts", control: Any) -> None:
+    """Each run's `trainer.fit()` in a thread of its own (Ray Train then leaves SIGINT to this
+    process; under torchft one run per sharding group, side by side), while this thread prints the
+    workers' lines and answers interrupts: the first asks the workers to stop at their next sync
+    step; a second, or `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that
+    failed (its Ray Train failures spent) fails the job, with its error."""
+    errors: list[BaseException] = []
 
-    def fit() -> None:
+    def fit(trainer: Any) -> None:
         try:
             trainer.fit()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box["error"] = e
+            errors.append(e)
 
-    thread = threading.Thread(target=fit, name="recgrid-fit", daemon=True)
+    threads = [threading.Thread(target=fit, args=(tr,), name=f"recgrid-fit-{i}", daemon=True)
+               for i, tr in enumerate(trainers)]
     interrupts.install().armed = True
-    thread.start()
+    for thread in threads:
+        thread.start()
     asked = False
     try:
-        while thread.is_alive():
-            thread.join(CONSOLE_POLL_S)
+        while any(th.is_alive() for th in threads):
+            for th in threads:
+                th.join(CONSOLE_POLL_S / len(threads))
             console.pump()
             if interrupts.first_at is not None and not asked:  # the handler only notes the signal
                 asked = True
@@ -470,8 +489,8 @@ def _fit_watched(trainer: Any, console: "Console", interrupts: "Interrupts", con
         raise Interrupted(interrupts.why or "KeyboardInterrupt", console.last_step) from e
     finally:
         interrupts.armed = False
-    if "error" in box:
-        raise box["error"]
+    if errors:
+        raise errors[0]
 
 
 def _end_workers() -> None:
@@ -549,37 +568,13 @@ class Interrupts:
 
 
 def torch_config(config: JobConfig) -> Any:
-    """Ray Train's torch backend: one process group of all T workers, or with
-    train.fault_tolerance=torchft one per single-worker replica group (the sharding groups are
-    built on top: train/ft.py) plus torchft's lighthouse: a quorum needs one live sharding group,
-    and a group whose manager stopped beating for LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out."""
+    """Ray Train's torch backend of every run of the job: one process group over the run's
+    workers (all T, or under torchft one sharding group's L), gloo on CPUs and NCCL on GPUs."""
     from ray.train.torch import TorchConfig
 
     from recgrid.engine.device import device_type_for, process_group_backend
 
-    backend = process_group_backend(device_type_for(config.train.use_gpu))
-    if config.fault_tolerance == "torchft":
-        import socket
-
-        import ray
-        from ray.train.v2.torch.torchft_config import TorchftConfig
-
-        # The lighthouse (quorums, a kill route) listens on this node's own address, not Ray's default
-        # [::]: Ray starts it on the controller's node, the driver's, and torchft's workers dial
-        # http://<that node's hostname>:<port>. A local cluster (no RAY_ADDRESS: connect_ray) binds the
-        # address the hostname resolves to, loopback on the usual host; a cluster binds the node's IP.
-        if os.environ.get("RAY_ADDRESS"):
-            host = ray.util.get_node_ip_address()
-        else:
-            try:
-                host = socket.gethostbyname(socket.gethostname())
-            except OSError:
-                host = LOCAL_LIGHTHOUSE_HOST
-        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
-        return TorchftConfig(lighthouse_kwargs={"bind": bind, "min_replicas": 1,
-                                                "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},
-                             backend=backend)
-    return TorchConfig(backend=backend)
+    return TorchConfig(backend=process_group_backend(device_type_for(config.train.use_gpu)))
 
 
 def _is_train_failure(e: BaseException) -> bool:

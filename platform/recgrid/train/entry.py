@@ -23,7 +23,7 @@ def pack(job: Any) -> dict[str, bytes]:
 def _unpack(cfg: dict[str, bytes]) -> dict[str, Any]:
     from ray import cloudpickle
 
-    return {"job": cloudpickle.loads(cfg["job"])}
+    return {**cfg, "job": cloudpickle.loads(cfg["job"])}
 
 
 def restart_worker(cfg: dict[str, bytes]) -> None:
@@ -34,7 +34,8 @@ def restart_worker(cfg: dict[str, bytes]) -> None:
 
 
 def torchft_worker(cfg: dict[str, bytes]) -> None:
-    """train.fault_tolerance=torchft: `train.worker.train_group_worker`."""
+    """train.fault_tolerance=torchft: `train.worker.train_group_worker` (one sharding group's run:
+    `cfg["group"]`)."""
     from recgrid.train.worker import train_group_worker
 
     train_group_worker(_unpack(cfg))

@@ -7,25 +7,17 @@ whole model copy; TorchRec's DMP over the group's process group), and torchft's 
 process group of shard rank s across the live groups is recgrid's replica group s: torchft
 averages and heals shard s from shard s of a live peer group.
 
-Ray 2.60's `TorchftConfig` makes every worker a Ray replica group of its own (its worker group
-hard-codes `replica_group_size=1`) with a torch world of one, and replaces only the workers that
-failed. recgrid builds the sharding groups on top, with public interfaces only
-(`ShardingGroup`):
-  - every sharding group rendezvous in a TCPStore of its current *generation*, hosted by a small
-    actor on the driver's node (`ShardingGroupStores`), which outlives every worker;
-  - each worker replaces Ray's world of one with its sharding group's process group (the default
-    group: TorchRec's sharded modules use it as in every recgrid job), and its torchft manager
-    (shard rank s of the group's L, the manager server on shard rank 0) rendezvous there too;
-  - when a worker dies, Ray replaces it alone; its group-mates keep their processes and rebuild
-    the group in place: a step that fails (its collectives with the dead worker fail at once)
-    and a group-mate's beat in the generation's store that stops (the watch also ends a quorum
-    the worker waits in) tell them the group broke; they drop the trainer, the process group and
-    the manager built with the dead worker, join the group's next generation with its
-    replacement (a worker that takes a shard rank already taken in the current generation starts
-    a new one) and build them again there. Rebuilding in place spares the group-mates a new
-    process each: Ray starts replacements one after another (its controller's
-    `replace_replica_group`), and a worker's start (a process, torch, TorchRec) takes longer than
-    the whole rebuild.
+Every sharding group is a Ray Train run of its own (`launch.ray.fit_on_ray` starts the M runs
+side by side): L workers whose torch world is the group (Ray Train's torch backend builds the
+default process group; TorchRec's sharded modules use it as in every recgrid job), with its own
+`FailureConfig`. The groups meet across runs through torchft, torchft's own deployment model (one
+job per replica group): the job's driver owns the lighthouse (`Lighthouse`), and each worker's
+manager (shard rank s of its group's L, the manager server on shard rank 0) meets its group in the
+run's rendezvous store (`GroupWorld`). When a worker dies, its group-mates' next collective with
+it fails and Ray Train restarts that run alone, all L workers; the other groups keep their
+processes and train on, and the restarted group heals from a live peer group at its first round.
+(Ray 2.60's own torchft integration, `TorchftConfig`, makes replica groups of one worker and fails
+the run when two dead workers must be replaced at once, as in a node loss.)
 
 This module is only the component the trainer's one loop calls (`Trainer.fit`, with
 `trainer.replicas = TorchftReplicas(...)`); what the loop does per round is the same as every
@@ -84,16 +76,15 @@ Who logs, evaluates and records the recoveries is the worker's business
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
 from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels, sync_step
-from recgrid.train.control import LazyActor
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery import digest
 from recgrid.train.trainer import Replicas, Snapshot, Trainer
@@ -102,173 +93,80 @@ TIMEOUT_S = 30  # collectives and the heal transfer; a dead peer's sockets close
 QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout (60 s): a peer evaluating is waited for
 
 
-GROUP_START_S = 120  # how long a sharding group's members wait for each other (a rebuilt group: its replacements)
-MATE_BEAT_S = 0.2  # how often a worker of a sharding group of L > 1 beats in its generation's store
-# a group-mate whose beat has not moved for this long is taken for dead: long enough for a busy host's
-# scheduler (a 2-core machine at load 10 starved a live mate's beat thread past 3 s, and the job failed);
-# a mate that dies mid-step is seen sooner, by the step's failed collective (MATE_SILENT_S)
-MATE_TIMEOUT_S = 10.0
-MATE_SILENT_S = 1.0  # the same, once a step with the group has failed (a collective with a dead peer fails at once)
 COMMIT_TIMEOUT_S = 5  # the longest a commit vote waits for the group's workers (they vote within one step of each other)
-MATE_GRACE_S = COMMIT_TIMEOUT_S + 2.0  # after a mate is lost, how long the training thread gets to see its step fail
+GROUP_START_S = 120  # how long a sharding group's manager waits to reach its group's store and the lighthouse
+# torchft's lighthouse leaves out a sharding group whose manager server has not beaten for this long
+# (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
+# managers beat every 100 ms
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
+LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
 
 
-class ShardingGroupStoresImpl:
-    """The sharding groups' rendezvous (one actor per torchft job, on the driver's node, so it
-    outlives every worker): a TCPStore per generation of each sharding group. A generation is one
-    set of L processes; a worker that takes a shard rank already taken in its group's current
-    generation (a replacement) starts the next one, and its group-mates' replacements join it."""
+@dataclass(frozen=True)
+class GroupWorld:
+    """Where this worker stands under torchft: shard rank `shard` of sharding group `group` (one
+    Ray Train run of `size` workers, whose torch world is the group: the default process group),
+    the group's store (the run's rendezvous store, where the group's torchft manager meets too)
+    and the job's lighthouse."""
 
-    def __init__(self) -> None:
-        import ray
+    group: int
+    shard: int
+    size: int
+    store_host: str
+    store_port: int
+    lighthouse: str
 
-        self.host = ray.util.get_node_ip_address()
-        self.current: dict[int, dict[str, Any]] = {}  # sharding group -> its generation, members, store
-        self.past: list[Any] = []  # stores of past generations, kept open: a late reader fails on its peers, not here
-        self.lock = threading.Lock()
+    @classmethod
+    def of_run(cls, group: int, lighthouse: str) -> "GroupWorld":
+        """This worker's place in its sharding group's Ray Train run (Ray Train's context, and the
+        store its torch backend rendezvoused in: MASTER_ADDR and MASTER_PORT)."""
+        import ray.train
 
-    def join(self, group: int, shard: int, pid: int) -> dict[str, Any]:
-        """Worker `pid` takes shard rank `shard` of sharding group `group`: its generation's store."""
-        from torch.distributed import TCPStore
-
-        with self.lock:  # the actor serves several calls at once (`LazyActor`)
-            cur = self.current.get(group)
-            if cur is None or shard in cur["members"]:
-                if cur is not None:
-                    self.past.append(cur["store"])
-                store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-                cur = self.current[group] = {"generation": cur["generation"] + 1 if cur else 0, "members": {},
-                                             "store": store}
-            cur["members"][shard] = pid
-            return {"host": self.host, "port": cur["store"].port, "generation": cur["generation"]}
+        ctx = ray.train.get_context()
+        return cls(group=group, shard=ctx.get_world_rank(), size=ctx.get_world_size(),
+                   store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                   lighthouse=lighthouse)
 
 
-ShardingGroupStores = LazyActor(ShardingGroupStoresImpl)
+class Lighthouse:
+    """torchft's lighthouse for one job, owned by its driver (it lives as long as the job, whatever
+    happens to the sharding groups' runs): a quorum needs one live sharding group, and a group
+    whose manager stopped beating for LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out. It listens on
+    `host` (the node's own address, not every interface: `bind_host`)."""
+
+    def __init__(self, host: str) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO (read at import)
+        from torchft.coordination import LighthouseServer
+
+        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+        self.server = LighthouseServer(bind=bind, min_replicas=1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+        port = self.server.address().rsplit(":", 1)[1]  # it advertises the hostname: the workers dial `host`
+        self.address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
 
 
-class ShardingGroup:
-    """This worker's sharding group under torchft (the module docstring): it joins its group's
-    current generation, makes the group's process group the default one (L > 1; with L = 1 Ray's
-    world of one is already the group), and watches its group-mates' beats. When a group-mate's
-    beat stops, `mate_lost` is set and `on_mate_lost` runs (the worker shuts its torchft manager
-    down, so a quorum it waits in ends); `leave()` when the worker is done with this generation."""
+def bind_host(on_cluster: bool) -> str:
+    """The address the job's lighthouse binds: the node's IP on a cluster; on a local cluster the
+    address the hostname resolves to (loopback on the usual host), else LOCAL_LIGHTHOUSE_HOST."""
+    import socket
 
-    def __init__(self, stores: Any, group: int, shard: int, size: int, device: Any,
-                 say: Callable[[str], Any] = print) -> None:
-        import ray
-        import torch.distributed as dist
-        from torch.distributed import PrefixStore, TCPStore
+    import ray
 
-        self.group, self.shard, self.size, self.say = group, shard, size, say
-        where = ray.get(stores.join.remote(group, shard, os.getpid()))
-        self.host, self.port, self.generation = where["host"], where["port"], where["generation"]
-        self.mate_lost = threading.Event()
-        self.on_mate_lost: Callable[[], Any] = lambda: None
-        self._caught = threading.Event()  # the training thread has seen its step fail (`broke`)
-        self._stop = threading.Event()
-        self._watch: threading.Thread | None = None
-        if size == 1:
-            return
-        store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=GROUP_START_S))
-        if dist.is_initialized():
-            if dist.get_world_size() == 1:
-                # TorchRec decides once per process, with a broadcast inside the first DMP it builds, whether
-                # to validate collectives; a rebuilt group mixes a replacement (no DMP built yet) with
-                # group-mates that built one and would skip it (a deadlock): every worker decides it here,
-                # alone, over Ray's world of one
-                from torchrec.distributed.collective_utils import init_collective_validation
-
-                init_collective_validation(dist.group.WORLD)
-            dist.destroy_process_group()  # Ray's world of one, or this group's previous generation
-        # every member is here before the process group's rendezvous, whose timeout is the collectives' own
-        store.set(f"joined/{shard}", str(os.getpid()))
-        store.wait([f"joined/{m}" for m in range(size)], timedelta(seconds=GROUP_START_S))
-        dist.init_process_group(process_group_backend(device.type), store=PrefixStore("pg", store), rank=shard,
-                                world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
-        self._store = store
-        self._watch = threading.Thread(target=self._watch_mates, name="recgrid-group-watch", daemon=True)
-        self._watch.start()
-
-    def broke(self, error: BaseException) -> bool:
-        """Whether `error` (raised by a step) is this group breaking: a group-mate stopped beating.
-        After a failed step a beat that does not move for MATE_SILENT_S says it (a live mate beats
-        every MATE_BEAT_S); the watch says it after MATE_TIMEOUT_S otherwise."""
-        self._caught.set()
-        if self.size == 1:
-            return False
-        mates = [m for m in range(self.size) if m != self.shard]
-        seen: dict[int, tuple[int, float]] = {}
-        for m in mates:
-            silent_for(seen, m, mate_beats(self._store, m), time.monotonic())
-        deadline = time.monotonic() + MATE_TIMEOUT_S + 2 * MATE_BEAT_S
-        while not self.mate_lost.wait(MATE_BEAT_S / 2):
-            now = time.monotonic()
-            if [m for m in mates if silent_for(seen, m, mate_beats(self._store, m), now) > MATE_SILENT_S]:
-                self.mate_lost.set()
-            if now > deadline:
-                return False
-        return True
-
-    def leave(self) -> None:
-        """Stop beating and watching (the group-mates stop expecting this worker's beats)."""
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.join(timeout=2 * MATE_BEAT_S)
-
-    def _watch_mates(self) -> None:
-        """Beat every MATE_BEAT_S in the generation's store (a client of its own: stores are not
-        shared across threads) and note a group-mate whose beat has not moved for MATE_TIMEOUT_S."""
-        from torch.distributed import TCPStore
-
-        try:
-            store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=MATE_TIMEOUT_S))
-            seen: dict[int, tuple[int, float]] = {}
-            while not self._stop.wait(MATE_BEAT_S):
-                store.add(f"beat/{self.shard}", 1)
-                now = time.monotonic()
-                for mate in range(self.size):
-                    n = mate_beats(store, mate) if mate != self.shard else -1
-                    if n < 0:
-                        continue
-                    if silent_for(seen, mate, n, now) > MATE_TIMEOUT_S and n:  # n = 0: it has not beaten yet
-                        self.mate_lost.set()
-                        self.on_mate_lost()
-                        if not self._caught.wait(MATE_GRACE_S):
-                            # the training thread waits in a call that nothing here can end (torchft's
-                            # manager server waits for the dead worker's commit vote until its timeout):
-                            # this process ends, and Ray replaces it too
-                            self.say(f"sharding group {self.group}: shard rank {mate} died and this worker "
-                                     f"(shard rank {self.shard}) is stuck waiting for it; it ends, to be replaced")
-                            time.sleep(0.3)  # the line reaches job control
-                            os._exit(1)
-                        return
-            store.add(f"left/{self.shard}", 1)
-        except Exception:  # noqa: BLE001 - the store went away with the job: nothing left to watch
-            return
+    if on_cluster:
+        return ray.util.get_node_ip_address()
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return LOCAL_LIGHTHOUSE_HOST
 
 
-def silent_for(seen: dict[int, tuple[int, float]], mate: int, beats: int, now: float) -> float:
-    """How long group-mate `mate`'s beat count has stood at `beats` (`seen` holds each mate's last
-    count and when it moved; updated here)."""
-    if mate not in seen or seen[mate][0] != beats:
-        seen[mate] = (beats, now)
-    return now - seen[mate][1]
-
-
-def mate_beats(store: Any, mate: int) -> int:
-    """Group-mate `mate`'s beats so far in a generation's store (-1 once it has left)."""
-    if store.add(f"left/{mate}", 0):
-        return -1
-    return store.add(f"beat/{mate}", 0)
-
-
-def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tuple[Any, Any]:
+def make_manager(heal: "HealTransport", world: GroupWorld, device: Any) -> tuple[Any, Any]:
     """This worker's torchft manager and its process group across the live groups (the replica
     group of its shard rank: abort it the moment this worker stops training, so the peers' collectives
     with it fail at once instead of at their timeout): shard rank s of its sharding group's L (the group's manager
-    server on shard rank 0, found through the generation's store), gloo (NCCL on a GPU:
+    server on shard rank 0, found through the group's store), gloo (NCCL on a GPU:
     `engine.device.process_group_backend`) across groups, heals over the same process group
     (`PGTransport`) only a group behind the others (no step-0 sync: the groups start alike), a
     quorum of at least one live group, every round synchronous (a heal lands before the forward
@@ -286,8 +184,8 @@ def make_manager(heal: "HealTransport", group: ShardingGroup, device: Any) -> tu
                    use_async_quorum=False, init_sync=False, timeout=timeout,
                    quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
                    connect_timeout=timedelta(seconds=GROUP_START_S),
-                   world_size=group.size, rank=group.shard, store_addr=group.host, store_port=group.port,
-                   replica_id=f"recgrid_g{group.group}",
+                   world_size=world.size, rank=world.shard, store_addr=world.store_host, store_port=world.store_port,
+                   lighthouse_addr=world.lighthouse, replica_id=f"recgrid_g{world.group}",
                    checkpoint_transport=PGTransport(pg, timeout=timeout, device=device)), pg
 
 
@@ -415,7 +313,7 @@ class TorchftReplicas(Replicas):
             return "train"  # inside a block of K steps: no quorum (the module docstring, 1.)
         # torchft's manager server waits for every worker of the group at a quorum and a commit vote, and a
         # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
-        # its own process group, where a dead mate fails the step at once (then `ShardingGroup.broke`)
+        # its own process group, where a dead mate fails the step at once (and Ray Train restarts the group)
         self._group_meets()
         self.manager.start_quorum()  # heals this sharding group here when it is behind
         if self.live is None:  # this group's first quorum

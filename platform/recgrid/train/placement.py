@@ -32,6 +32,12 @@ from recgrid.engine.grid import GridError
 PLACEMENT_STRATEGY = {"host-local": "PACK", "inter-host": "SPREAD"}
 """Ray placement strategy that gives each layout (see the module docstring)."""
 
+GROUP_RUN_PLACEMENT = {"host-local": "SPREAD", "inter-host": "PACK"}
+"""The same for one sharding group's run (train.fault_tolerance=torchft: a Ray Train run per
+sharding group): inter-host packs the group's L workers onto as few nodes as hold them,
+host-local spreads them one per node. Ray places each run on its own, so which nodes the M
+runs share is not fixed by this."""
+
 RANKS_ARTIFACT = "grid/ranks.json"
 
 

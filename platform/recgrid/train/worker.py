@@ -17,7 +17,8 @@ trainer (`train.trainer`: the one step loop) to the job's actors and components.
    a step), prints progress, and records the recovery events.
 
 `train_group_worker` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
-replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers; shard rank
+replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers (a Ray
+Train run of its own, which Ray Train restarts alone when one of them dies); shard rank
 0 of the live group of quorum rank 0 logs, that group writes the storage checkpoints
 (`train.ft.StorageFallback`), and `GroupReport` records each rebuilt group's heal or restore.
 """
@@ -64,7 +65,7 @@ class WorkerJob:
     rows_per_unit: int
     checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
-    group_stores: Any  # torchft: the sharding groups' rendezvous actor (`train.ft.ShardingGroupStores`); else None
+    lighthouse: str | None  # torchft: the job's lighthouse (`train.ft.Lighthouse`, owned by the driver); else None
 
 
 def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
@@ -84,8 +85,8 @@ def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
 def ray_worker_device(use_gpu: bool) -> Any:
     """The device of this Ray Train worker, made current: the GPU Ray assigned it
     (`ray.train.torch.get_device()`, from the GPU ids Ray reserved for it) on GPU jobs, cpu
-    otherwise. Never computed from `get_local_rank()`: under torchft every worker is its own
-    replica group, so its local rank is 0 whichever GPU Ray gave it."""
+    otherwise. Never computed from `get_local_rank()`: under torchft every sharding group is a
+    run of its own, so two runs' workers on one node have the same local ranks."""
     from recgrid.engine.device import worker_device
 
     if not use_gpu:
@@ -209,22 +210,31 @@ def train_worker(cfg: dict) -> None:
 
 def train_group_worker(cfg: dict) -> None:
     """Ray Train's per-worker function with train.fault_tolerance=torchft (`cfg["job"]` is the
-    WorkerJob): shard rank s of sharding group g (the grid's coordinates of this worker's global
-    rank), the group's process group and torchft manager (`train.ft.ShardingGroup`), the
-    trainer's one loop. A worker Ray starts after a failure (a replacement) heals with its group
-    from a live peer group at its first round; a worker whose group-mate died rebuilds its group
-    in place with the replacement (`train.ft`) and heals the same way."""
+    WorkerJob, `cfg["group"]` this run's sharding group g): every sharding group is a Ray Train
+    run of its own, of L workers whose torch world is the group (TorchRec's DMP over it), and
+    this worker is shard rank s of it. The groups meet across runs through torchft (the job's
+    lighthouse, `train.ft`). When a worker dies, Ray Train restarts its group's run alone (all L
+    workers: a group-mate's step fails on the dead worker's collective, and it ends too); the
+    other groups keep their processes and train on, and the restarted group heals from a live
+    peer group at its first round."""
     import logging
 
     import ray
+
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.ft import GroupWorld, HealTransport, StorageFallback, TorchftReplicas, make_manager
 
     job: WorkerJob = cfg["job"]
     ctx, device = _start_worker(job)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every round at INFO
     # torchft logs a peer's death as a traceback; the component says it in one line
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()  # global rank, T
-    coords = Grid(world, world // job.group_size, job.layout).coords(rank)  # type: ignore[arg-type]
+    world = GroupWorld.of_run(cfg["group"], job.lighthouse)
+    L, T = world.size, job.max_world_size
+    grid = Grid(T, T // L, job.layout)  # type: ignore[arg-type]
+    rank = grid.global_rank(world.group, world.shard)
+    coords = grid.coords(rank)
+    g, s = coords.sharding_group, coords.shard_rank
     control = job.control
     attempt = ray.get(control.begin_attempt.remote(1))
     ray.get(control.register.remote(attempt, rank, os.getpid(), ray.get_runtime_context().get_node_id()))
@@ -234,58 +244,29 @@ def train_group_worker(cfg: dict) -> None:
     # this worker takes over the MLflow logging if the logging group fails: its tracker is attached
     # ahead (MLflow's import and store: a second or more), so the takeover does not hold up the group
     # while it trains on alone (a replacement skips it: its start is the recovery's critical path)
-    tracker = WarmTracker(job.run_id, job.tracking_uri, coords.shard_rank == 0 and not replacement)
-    while True:
-        broke_at = _train_sharding_group(job, coords, device, attempt, attempt_info, replacement, tracker)
-        if broke_at is None:
-            return
-        # rebuilt in place: this worker's next generation of the group counts as a recovery from `broke_at`
-        replacement, attempt_info = True, {"start": time.time(), "failure_time": broke_at}
-
-
-def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int, attempt_info: dict[str, Any],
-                          replacement: bool, tracker: "WarmTracker") -> float | None:
-    """One generation of this worker's sharding group: join, build, train to the end (None), or
-    until a group-mate dies (the time this worker saw its group break; every handle built with
-    the dead worker is dropped)."""
-    import ray
-    import torch.distributed as dist
-
-    from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.ft import HealTransport, ShardingGroup, StorageFallback, TorchftReplicas, make_manager
-
-    control, L, world = job.control, job.group_size, job.max_world_size
-    rank, g, s = coords.rank, coords.sharding_group, coords.shard_rank
+    tracker = WarmTracker(job.run_id, job.tracking_uri, s == 0 and not replacement)
     before = ray.get(control.group_status.remote(g)) if replacement else {}  # the group's last commit before it failed
-    group = ShardingGroup(job.group_stores, g, s, L, device, say=lambda m: control.say.remote(f"[recgrid] {m}"))
     # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group)
     trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, pipeline=False)
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
     report = GroupReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
-                           metrics_exporter(job, rank), before, tracker)
+                         metrics_exporter(job, rank), before, tracker)
     # every global rank owns a part of each epoch, live or not, with its sharding group's cursor;
     # the evaluating group reads every eval row over its L workers
-    data, eval_data = _data(job, rank, world, s, L, device)
+    data, eval_data = _data(job, rank, T, s, L, device)
     rows = RowLog(job.row_log, attempt, rank) if job.row_log else None
     # the manager last: its server beats to the lighthouse from here, and while a group beats without
     # asking for a quorum, a lone live group of M = 2 cannot form one (torchft's split-brain rule)
-    manager, replica_pg = make_manager(heal, group, device)
-
-    def mate_lost() -> None:  # the other groups' collectives with this worker fail now; a quorum it waits in ends
-        replica_pg.abort()
-        manager.shutdown(wait=False)
-
-    group.on_mate_lost = mate_lost
-    control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s,
-                                        f"generation@{time.time():.3f}": group.generation})
+    manager, replica_pg = make_manager(heal, world, device)
+    control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s})
     if not replacement:
-        _wait_for_peers(control, world)
+        _wait_for_peers(control, T)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
     fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
                                             trainer=trainer), control, job.recovery, g, s)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback)
 
-    def note_progress(step: int) -> None:  # a rebuilt group reads on from its own cursor (train.ft)
+    def note_progress(step: int) -> None:  # a restarted group reads on from its own cursor (train.ft)
         if s == 0:
             control.group_progress.remote(g, step, trainer.state.cursor.state_dict(), time.time(),
                                           job.checkpoint_every)
@@ -295,29 +276,21 @@ def _train_sharding_group(job: WorkerJob, coords: Any, device: Any, attempt: int
 
     hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None,
                      after_step=[note_progress, checkpoint, report.step], stop_requested=StopPoll(control))
-    broke_at = None
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
-    except Exception as e:  # noqa: BLE001 - a group-mate's death, or re-raised
-        broke_at = time.time()
-        replica_pg.abort()  # the other groups' collectives with this worker fail now, not at their timeout
-        # the group's manager server stops beating to the lighthouse now: with M = 2 the live group's
-        # quorum waits while a second group beats (torchft's split-brain rule: more than half must join)
+    except BaseException as e:
+        # the other groups' collectives with this worker fail now, not at their timeout, and its manager
+        # server stops beating to the lighthouse: with M = 2 the live group's quorum waits while a second
+        # group beats (torchft's split-brain rule: more than half must join)
+        replica_pg.abort()
         manager.shutdown(wait=False)
-        if not group.broke(e):
-            raise
         seen = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        control.say.remote(f"[recgrid] sharding group {g}: a group-mate died (shard rank {s} saw: {seen}); "
-                           f"rebuilding the group in place with its replacement")
-    finally:
-        group.leave()
-        manager.shutdown(wait=False)
-    if broke_at is not None:
-        dist.destroy_process_group()  # this generation's process groups; the next is built by the next ShardingGroup
-        return broke_at
+        control.say.remote(f"[recgrid] sharding group {g}: shard rank {s} stopped ({seen}); "
+                           f"Ray Train restarts the group, which heals from a live peer group")
+        raise
+    manager.shutdown(wait=False)
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
-    return None
 
 
 def _wait_for_peers(control: Any, workers: int) -> None:
