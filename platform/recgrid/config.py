@@ -793,12 +793,9 @@ def _matches(pattern: str) -> bool:
     if "://" in pattern:
         return True  # remote storage: Ray Data reads and checks it
     # the data reader's own expansion, imported here: it brings pyarrow, which reading a config needs not
-    from recgrid.data.criteo import CriteoDataError, expand_inputs
+    from recgrid.data.criteo import names_data
 
-    try:
-        return bool(expand_inputs(pattern))
-    except CriteoDataError:  # no file matches, or an empty directory
-        return False
+    return names_data(pattern)
 
 
 if __name__ == "__main__":  # python -m recgrid.config: print docs/reference.md's config reference

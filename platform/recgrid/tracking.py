@@ -340,7 +340,7 @@ class Tracker:
                 source_type=uris[0].partition("://")[0] if "://" in uris[0] else "local",
                 # MLflow's form of a file system source for one glob; a list for several
                 source=json.dumps({"uri": uris[0]} if len(uris) == 1 else {"uris": uris}),
-                profile=json.dumps({"num_rows": sum(inputs.rows), "num_files": len(stats),
+                profile=json.dumps({"num_rows": inputs.total_rows, "num_files": len(stats),
                                     "num_bytes": sum(size for _, size, _ in stats)}),
             )
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])

@@ -143,6 +143,14 @@ def glob_files(pattern: str) -> list[str]:
     return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
 
 
+def names_data(pattern: str) -> bool:
+    """Whether the path, glob or directory `pattern` names a data file (`expand_inputs` finds one)."""
+    try:
+        return bool(expand_inputs(pattern))
+    except CriteoDataError:  # no file matches, or an empty directory
+        return False
+
+
 def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """Files named by paths, globs (`glob_files`) and directories, in order, each once.
 

@@ -40,8 +40,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recgrid.data.criteo import (
-    PARQUET, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, CriteoDataError, expand_inputs, prepared_metadata,
-    transform_categorical, transform_dense,
+    PARQUET, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, names_data, prepared_metadata, transform_categorical,
+    transform_dense,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, DatasetSpec, get_spec
 
@@ -337,13 +337,7 @@ def ensure_synth(pattern: str, rows: int, spec: DatasetSpec, seed: int, stream: 
     error naming both, raised before anything is written; so is a glob that would not match the
     files written (they are removed again). Either way the directory is left as it was.
     """
-    def matches() -> bool:
-        try:
-            return bool(expand_inputs(pattern))
-        except CriteoDataError:  # matches no file, or an empty directory
-            return False
-
-    if matches():
+    if names_data(pattern):
         return []
     parts = Path(os.path.expanduser(pattern)).parts
     wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts) - 1)
@@ -360,7 +354,7 @@ def ensure_synth(pattern: str, rows: int, spec: DatasetSpec, seed: int, stream: 
     say(f"{pattern!r} matches nothing; writing {rows:,} synthetic rows ({fmt}) to {out}/")
     written = write_synth(str(out), rows, files=max(1, min(8, rows // 25_000)), fmt=fmt, spec=spec, seed=seed,
                           stream=stream)
-    if not matches():
+    if not names_data(pattern):
         for path in written:
             os.remove(path)
         if created is not None:  # and the directories made here, innermost first

@@ -117,12 +117,9 @@ class GroupWorld:
     lighthouse: str
 
     @classmethod
-    def of_run(cls, group: int, lighthouse: str) -> "GroupWorld":
-        """This worker's place in its sharding group's Ray Train run (Ray Train's context, and the
-        store its torch backend rendezvoused in: MASTER_ADDR and MASTER_PORT)."""
-        import ray.train
-
-        ctx = ray.train.get_context()
+    def of_run(cls, ctx: Any, group: int, lighthouse: str) -> "GroupWorld":
+        """This worker's place in its sharding group's Ray Train run (`ctx`: Ray Train's context;
+        the store its torch backend rendezvoused in: MASTER_ADDR and MASTER_PORT)."""
         return cls(group=group, shard=ctx.get_world_rank(), size=ctx.get_world_size(),
                    store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                    lighthouse=lighthouse)
@@ -138,10 +135,10 @@ class Lighthouse:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO (read at import)
         from torchft.coordination import LighthouseServer
 
-        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
-        self.server = LighthouseServer(bind=bind, min_replicas=1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+        at = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
+        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
         port = self.server.address().rsplit(":", 1)[1]  # it advertises the hostname: the workers dial `host`
-        self.address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.address = f"http://{at}:{port}"
 
     def shutdown(self) -> None:
         self.server.shutdown()

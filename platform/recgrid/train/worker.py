@@ -229,7 +229,7 @@ def train_group_worker(cfg: dict) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every round at INFO
     # torchft logs a peer's death as a traceback; the component says it in one line
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    world = GroupWorld.of_run(cfg["group"], job.lighthouse)
+    world = GroupWorld.of_run(ctx, cfg["group"], job.lighthouse)
     L, T = world.size, job.max_world_size
     grid = Grid(T, T // L, job.layout)  # type: ignore[arg-type]
     rank = grid.global_rank(world.group, world.shard)
