@@ -265,7 +265,7 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
     assert path("train.max_failures=2") == "torchft"
     assert path() == "restart"  # no failure survived: nothing to be faster at
     assert path("train.max_failures=2", "grid.num_groups=1") == "restart"  # no peer group to heal from
-    assert path("train.max_failures=2", "grid.min_world_size=2") == "restart"  # elastic
+    assert path("train.max_failures=2", "grid.min_world_size=2") == "torchft"  # elastic by whole sharding groups
     assert path("train.max_failures=2", "grid.delayed_moment_sync=true") == "restart"
     assert path("train.max_failures=2", "model.towers=2") == "restart"
     assert path("train.max_failures=2", "train.fault_tolerance=restart") == "restart"

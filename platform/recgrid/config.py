@@ -61,7 +61,7 @@ class GridConfig:
     delayed_moment_sync: bool = False
     """Sync optimizer states one sync interval behind the weights, as the TorchRec team reports works best."""
     min_world_size: int | None = None
-    """Elastic jobs: the fewest workers the job goes on with after losing capacity, a multiple of L = T / M (it trains M' = n // L sharding groups, no resharding, and grows back when capacity returns); null = T, a fixed size."""
+    """Elastic jobs: the fewest workers the job goes on with after losing capacity, a multiple of L = T / M (it trains M' = n // L sharding groups, no resharding, and grows back when capacity returns); null = T, a fixed size. With train.fault_tolerance=torchft every job is elastic by whole sharding groups (each one a Ray Train run: it leaves when its workers fail or its node is drained, and comes back, healed from a live peer group, when there is room for it), and this is the fewest workers that train (the quorum waits for min_world_size / L groups); null = L, one group."""
 
     def __call__(self) -> Grid:
         """`cfg.grid()`: the `recgrid.grid.Grid` of this section (same as `JobConfig.build_grid()`)."""
@@ -163,7 +163,7 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); no elastic resize, delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room; no delayed moment sync, train.resume_from or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int | None = None
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path, else 0 (a job that can never restore takes none, and torchft heals from live peer groups, not from snapshots)."""
     checkpoint_every: int | None = None
@@ -445,10 +445,6 @@ class JobConfig:
         """What of this job train.fault_tolerance=torchft cannot carry with Ray 2.60 and torchft 0.2
         (train/ft.py): (the field, why), or None."""
         g, t, m = self.grid, self.train, self.model
-        if g.min_world_size is not None and g.min_world_size != g.world_size:
-            return ("grid.min_world_size", f"elastic jobs are not supported with train.fault_tolerance=torchft yet "
-                    f"(a sharding group's run that cannot be placed is not yet left out of the job); leave it null "
-                    f"(or {g.world_size})")
         if g.delayed_moment_sync:
             return ("grid.delayed_moment_sync", "not supported with train.fault_tolerance=torchft (the replica sync "
                     "goes through torchft's manager and commits with the step)")
@@ -466,7 +462,15 @@ class JobConfig:
         """Whether an attempt may get a worker count that is not a multiple of L and sideline the
         workers past its last whole sharding group: an elastic job (grid.min_world_size < T) with L > 1."""
         g = self.grid
-        return g.min_world_size is not None and g.min_world_size < g.world_size and g.num_groups < g.world_size
+        return (g.min_world_size is not None and g.min_world_size < g.world_size and g.num_groups < g.world_size
+                and self.fault_tolerance == "restart")  # under torchft every sharding group is a run of its own
+
+    @property
+    def min_groups(self) -> int:
+        """train.fault_tolerance=torchft: the fewest live sharding groups that train
+        (`grid.min_world_size` / L; one when null)."""
+        g = self.grid
+        return (g.min_world_size or g.world_size // g.num_groups) // (g.world_size // g.num_groups)
 
     def build_grid(self) -> Grid:
         """The `recgrid.grid.Grid` of this job (also reachable as `cfg.grid()`)."""

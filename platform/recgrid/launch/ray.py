@@ -13,6 +13,12 @@ side, with `train_group_worker`, and the job's torchft lighthouse in this proces
 `train.entry` (light to import: Ray Train's controller unpickles it). When Ray Train is done it
 closes the run and prints the summary. What runs on the workers lives in `train/`.
 
+Under torchft the sharding groups' runs are owned by one small actor of the job (`GroupRuns`, on
+this node), so the driver can end them: a run that Ray Train restarted after a node loss or a
+drain waits for room, and when the other groups have finished the job (or one run's failures are
+spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
+Train has no public call that ends a run from another process).
+
 The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
 workers hand their lines (progress, recoveries, failures) to job control and the driver prints
 them (`Console`), unprefixed. A job that fails prints the workers' tracebacks (stderr).
@@ -43,6 +49,7 @@ from typing import Any
 
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say, summary_table
+from recgrid.train.control import LazyActor
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class JobActors:
 
 
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
+RUNS_END_GRACE_S = 10.0  # torchft: after the job's training ended, how long its groups' runs get to end on their own
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
 
@@ -226,6 +234,16 @@ def worker_resources(config: JobConfig) -> dict[str, float]:
     return {"CPU": t.cpus_per_worker, **t.resources_per_worker, **({"GPU": 1} if t.use_gpu else {})}
 
 
+def placeable_groups(config: JobConfig) -> int:
+    """How many of the job's sharding groups the cluster's nodes hold (from what each alive node
+    offers, `train.placement.cluster_slots`), at most M: under torchft the first quorum waits for
+    these, and a group with no room joins when there is."""
+    from recgrid.train.placement import cluster_slots
+
+    grid = config.build_grid()
+    return min(grid.num_groups, sum(cluster_slots(worker_resources(config)).values()) // grid.group_size)
+
+
 def check_cluster(config: JobConfig) -> None:
     """Refuse, before any worker starts, a cluster whose nodes cannot give the job's layout
     (`Grid.check_cluster`, from what each alive node offers); the error names the layout, the
@@ -236,9 +254,13 @@ def check_cluster(config: JobConfig) -> None:
 
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
     total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
-    taken = config.grid.world_size * config.train.cpus_per_worker
-    check_room_for_data(total - taken, f"the T={config.grid.world_size} workers would reserve {taken:g} of the "
-                                       f"cluster's {total:g} CPUs (train.cpus_per_worker={config.train.cpus_per_worker:g})")
+    T = config.grid.world_size
+    # torchft: the sharding groups the nodes hold start (the others join when there is room)
+    workers = placeable_groups(config) * config.build_grid().group_size if config.fault_tolerance == "torchft" else T
+    taken = workers * config.train.cpus_per_worker
+    who = f"T={T}" if workers == T else f"{workers} starting"
+    check_room_for_data(total - taken, f"the {who} workers would reserve {taken:g} of the cluster's {total:g} CPUs "
+                                       f"(train.cpus_per_worker={config.train.cpus_per_worker:g})")
 
 
 def storage_path(config: JobConfig) -> str:
@@ -373,7 +395,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     t = config.train
     torchft = config.fault_tolerance == "torchft"
     # torchft: the job's lighthouse, in this process (it outlives every sharding group's run)
-    lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS")))) if torchft else None
+    lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups) if torchft else None
     job = WorkerJob(
         engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
         max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
@@ -383,6 +405,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
         snapshot_every_syncs=config.snapshot_every_syncs,
         lighthouse=lighthouse.address if lighthouse is not None else None,
+        min_groups=config.min_groups, start_groups=placeable_groups(config),
     )
     low = config.grid.min_world_size
     workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
@@ -425,11 +448,16 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
         + (", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
            "is restarted and healed from a live peer group" if torchft else ""))
+    # torchft: the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
+    owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote() if torchft else None
+    fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) if owner is not None else tr.fit
+            for tr in trainers]
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
     try:
-        _fit_watched(trainers, console, interrupts or Interrupts(), actors.control)
+        _fit_watched(fits, console, interrupts or Interrupts(), actors.control,
+                     end_runs=(lambda: ray.kill(owner)) if owner is not None else None)
     except Interrupted:
         at_once = True
         raise
@@ -446,6 +474,11 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
         if not at_once:
             actors.end()
+        if owner is not None:
+            try:
+                ray.kill(owner)  # a run still waiting for room ends with it
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         if lighthouse is not None:
             lighthouse.shutdown()
     if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
@@ -453,31 +486,49 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     return status
 
 
-def _fit_watched(trainers: list[Any], console: "Console", interrupts: "Interrupts", control: Any) -> None:
-    """Each run's `trainer.fit()` in a thread of its own (Ray Train then leaves SIGINT to this
-    process; under torchft one run per sharding group, side by side), while this thread prints the
-    workers' lines and answers interrupts: the first asks the workers to stop at their next sync
-    step; a second, or `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that
-    failed (its Ray Train failures spent) fails the job, with its error."""
+def _fit_watched(fits: list[Any], console: "Console", interrupts: "Interrupts", control: Any,
+                 end_runs: Any = None) -> None:
+    """Each run's fit (`fits`: one call each that returns when its Ray Train run has ended) in a
+    thread of its own (Ray Train then leaves SIGINT to this process; under torchft one run per
+    sharding group, side by side), while this thread prints the workers' lines and answers
+    interrupts: the first asks the workers to stop at their next sync step; a second, or
+    `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that failed (its Ray Train
+    failures spent) fails the job, with its error. With `end_runs` (torchft: it ends every run
+    still going), the runs left `RUNS_END_GRACE_S` after the job's training ended (a group waiting
+    for room after a drain or a node loss) are ended, and a failed run ends the others at once."""
     errors: list[BaseException] = []
+    ended = threading.Event()
 
-    def fit(trainer: Any) -> None:
+    def fit(run: Any) -> None:
         try:
-            trainer.fit()
+            run()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            errors.append(e)
+            if not ended.is_set():  # a run the driver ended is not a failure
+                errors.append(e)
 
-    threads = [threading.Thread(target=fit, args=(tr,), name=f"recgrid-fit-{i}", daemon=True)
-               for i, tr in enumerate(trainers)]
+    threads = [threading.Thread(target=fit, args=(run,), name=f"recgrid-fit-{i}", daemon=True)
+               for i, run in enumerate(fits)]
     interrupts.install().armed = True
     for thread in threads:
         thread.start()
     asked = False
+    over_at, polled = None, 0.0
     try:
         while any(th.is_alive() for th in threads):
             for th in threads:
                 th.join(CONSOLE_POLL_S / len(threads))
             console.pump()
+            if end_runs is not None and not ended.is_set():
+                if over_at is None and time.monotonic() - polled >= 1.0:
+                    polled = time.monotonic()
+                    over_at = polled if _training_over(control) else None
+                waiting = [i for i, th in enumerate(threads) if th.is_alive()]
+                if errors or (over_at is not None and time.monotonic() - over_at > RUNS_END_GRACE_S and waiting):
+                    ended.set()
+                    if not errors:
+                        say(f"the job's training ended; the run of sharding group(s) {waiting} was still waiting "
+                            f"for room after a drain or a node loss: ended")
+                    end_runs()
             if interrupts.first_at is not None and not asked:  # the handler only notes the signal
                 asked = True
                 control.request_stop.remote(interrupt=True)
@@ -491,6 +542,37 @@ def _fit_watched(trainers: list[Any], console: "Console", interrupts: "Interrupt
         interrupts.armed = False
     if errors:
         raise errors[0]
+
+
+def _training_over(control: Any) -> bool:
+    import ray
+
+    try:
+        return bool(ray.get(control.over.remote(), timeout=5))
+    except Exception:  # noqa: BLE001 - asked again at the next poll
+        return False
+
+
+def _raise_returned(error: BaseException | None) -> None:
+    """`GroupRuns.fit` hands back a run's error as a value (Ray would wrap it): raise it here."""
+    if error is not None:
+        raise error
+
+
+class GroupRunsImpl:
+    """The owner of a torchft job's sharding-group runs (module docstring): each `fit` call runs one
+    Ray Train run to its end and returns its error, if any. Ending this actor ends every run it still
+    holds (their controllers are its children)."""
+
+    def fit(self, trainer: Any) -> BaseException | None:
+        try:
+            trainer.fit()
+        except Exception as e:  # noqa: BLE001 - the driver raises it
+            return e
+        return None
+
+
+GroupRuns = LazyActor(GroupRunsImpl)
 
 
 def _end_workers() -> None:

@@ -24,7 +24,8 @@ events):
   group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
   fast the groups that kept training went meanwhile; each group's cursor at the job's storage
   checkpoint steps is kept too (`cursors_at`), and a restore from a storage checkpoint sets every
-  group back to it (`rewind_groups`).
+  group back to it (`rewind_groups`); and the groups that left at a node drain (`group_leaves`),
+  until they commit again.
 
 Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
 """
@@ -58,6 +59,7 @@ class JobControlImpl:
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
+        self.leaves: list[dict[str, Any]] = []  # torchft: each sharding group's leaving at a drain (group, step, at)
         # the actor serves 4 calls at once, and Ray serialises a return value after the method returned: the
         # attempts' and groups' records are changed, and handed out as copies, under this lock (a reply
         # serialised while a commit appended to a group's history reached a worker as msgpack it could not
@@ -164,6 +166,21 @@ class JobControlImpl:
                 del self.pins[s]
             return cursors
 
+    def group_leaves(self, group: int, step: int, nodes: list[str], deadline_ms: int | None) -> list[int]:
+        """Sharding group `group` leaves the job after its committed step `step`: its node is drained
+        (`train.ft`, preemption). Returns the groups that have committed and not left, which train on
+        (none: this group writes a storage checkpoint before it goes)."""
+        with self._lock:
+            now = time.time()
+            self.leaves.append({"group": group, "step": step, "at": now, "nodes": nodes, "deadline_ms": deadline_ms})
+            away = {x["group"] for x in self.leaves if x["at"] >= self.groups.get(x["group"], {}).get("at", 0.0)}
+            return sorted(g for g in self.groups if g not in away)
+
+    def over(self) -> bool:
+        """Whether the job's training ended (`finished`): a sharding group's run that has not
+        started (waiting for capacity) or has left has nothing more to do."""
+        return self.final is not None
+
     def group_status(self, group: int | None = None) -> dict[Any, Any]:
         """Every sharding group's newest commit (or `group`'s: {} before its first)."""
         with self._lock:
@@ -176,7 +193,7 @@ class JobControlImpl:
         with self._lock:
             return {"attempts": copy.deepcopy(self.attempts), "last_step": self.last_step,
                     "logged_upto": self.logged_upto, "failure_time": self.failure_time, "stop": self.stop,
-                    "final": self.final}
+                    "final": self.final, "leaves": copy.deepcopy(self.leaves)}
 
 
 class LazyActor:

@@ -1,6 +1,6 @@
 """Fault tolerance with torchft (`train.fault_tolerance=torchft`): the trainer's replica component
 for live sharding groups. The groups that did not fail keep their processes and keep training;
-only a failed group is rebuilt, and it heals from a live peer group.
+only a failed (or drained) group leaves, and it comes back healed from a live peer group.
 
 The grid in torchft's terms: a torchft replica group is a recgrid sharding group (L workers, one
 whole model copy; TorchRec's DMP over the group's process group), and torchft's fault-tolerant
@@ -69,6 +69,13 @@ and every group's data cursor goes back to where it stood at that step (job cont
 `JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without a
 checkpoint the job starts again from step 0, and says so.
 
+Elasticity and drains: a group leaves and the others train on (c from the live count); a group
+whose run had no room joins when it gets some, healed like a rebuilt one. When Ray Train says a
+node of the group's run is being drained (`drain_notice`: `ray.train.get_preemption_info`, asked
+at the start of a block, at most every DRAIN_CHECK_S, all the group's workers at the same round),
+the group leaves there, right after its last sync (`TorchftReplicas.left`; the worker then stops
+its manager, and the last group to leave writes a storage checkpoint first).
+
 Who logs, evaluates and records the recoveries is the worker's business
 (`train.worker.GroupReport`, told of each quorum and commit through `GroupListener`).
 """
@@ -100,6 +107,10 @@ GROUP_START_S = 120  # how long a sharding group's manager waits to reach its gr
 # managers beat every 100 ms
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
 LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
+# how often a sharding group asks Ray Train whether a node of its run is being drained (at the start of a
+# block of K steps, the group's workers agreeing when): Ray Train's own watcher polls Ray every 5 s, and a
+# drain gives minutes (a spot reclaim: 30 s or more)
+DRAIN_CHECK_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -127,16 +138,17 @@ class GroupWorld:
 
 class Lighthouse:
     """torchft's lighthouse for one job, owned by its driver (it lives as long as the job, whatever
-    happens to the sharding groups' runs): a quorum needs one live sharding group, and a group
+    happens to the sharding groups' runs): a quorum needs `min_groups` live sharding groups (the
+    job's `min_groups`: one unless `grid.min_world_size` asks for more), and a group
     whose manager stopped beating for LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out. It listens on
     `host` (the node's own address, not every interface: `bind_host`)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, min_groups: int = 1) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO (read at import)
         from torchft.coordination import LighthouseServer
 
         at = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
-        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=min_groups, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
         port = self.server.address().rsplit(":", 1)[1]  # it advertises the hostname: the workers dial `host`
         self.address = f"http://{at}:{port}"
 
@@ -159,14 +171,14 @@ def bind_host(on_cluster: bool) -> str:
         return LOCAL_LIGHTHOUSE_HOST
 
 
-def make_manager(heal: "HealTransport", world: GroupWorld, device: Any) -> tuple[Any, Any]:
+def make_manager(heal: "HealTransport", world: GroupWorld, device: Any, min_groups: int = 1) -> tuple[Any, Any]:
     """This worker's torchft manager and its process group across the live groups (the replica
     group of its shard rank: abort it the moment this worker stops training, so the peers' collectives
     with it fail at once instead of at their timeout): shard rank s of its sharding group's L (the group's manager
     server on shard rank 0, found through the group's store), gloo (NCCL on a GPU:
     `engine.device.process_group_backend`) across groups, heals over the same process group
     (`PGTransport`) only a group behind the others (no step-0 sync: the groups start alike), a
-    quorum of at least one live group, every round synchronous (a heal lands before the forward
+    quorum of at least `min_groups` live groups, every round synchronous (a heal lands before the forward
     pass, and a peer's state is read while it waits)."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
@@ -177,7 +189,7 @@ def make_manager(heal: "HealTransport", world: GroupWorld, device: Any) -> tuple
     # init_sync off: every group builds the same model from the job's seed, and torchft's step-0 sync heals
     # shard ranks from different groups (its sources are spread by shard rank), so one worker of a group
     # would load a peer's state while its group-mate does not
-    return Manager(pg=pg, load_state_dict=heal.load, state_dict=heal.state_dict, min_replica_size=1,
+    return Manager(pg=pg, load_state_dict=heal.load, state_dict=heal.state_dict, min_replica_size=min_groups,
                    use_async_quorum=False, init_sync=False, timeout=timeout,
                    quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
                    connect_timeout=timedelta(seconds=GROUP_START_S),
@@ -295,10 +307,16 @@ class TorchftReplicas(Replicas):
     rounds_talk = True  # a block's first round asks the quorum, its sync step votes: charged to "sync"
 
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: GroupListener,
-                 group_size: int = 1, fallback: StorageFallback | None = None) -> None:
+                 group_size: int = 1, fallback: StorageFallback | None = None,
+                 drain_notice: Callable[[], Any] | None = None) -> None:
         super().__init__(trainer)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
         self.fallback = fallback
+        # Ray Train's notice that a node of this group's run is being drained (`ray.train.get_preemption_info`:
+        # a collective over the run's workers, asked by all of them at the same round), or None
+        self.drain_notice = drain_notice
+        self.left: Any = None  # the drain notice this group left at (the loop ended at a block start)
+        self._drain_checked = time.monotonic()
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
@@ -310,8 +328,16 @@ class TorchftReplicas(Replicas):
             return "train"  # inside a block of K steps: no quorum (the module docstring, 1.)
         # torchft's manager server waits for every worker of the group at a quorum and a commit vote, and a
         # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
-        # its own process group, where a dead mate fails the step at once (and Ray Train restarts the group)
-        self._group_meets()
+        # its own process group, where a dead mate fails the step at once (and Ray Train restarts the group);
+        # at the same meeting its workers agree whether to ask about a drain this round
+        due = (self.drain_notice is not None and self.live is not None
+               and time.monotonic() - self._drain_checked >= DRAIN_CHECK_S)
+        if self._group_meets(due):
+            self._drain_checked = time.monotonic()
+            notice = self.drain_notice()
+            if notice is not None:  # leave now, at the block's start: everything committed is synced
+                self.left = notice
+                return "end"
         self.manager.start_quorum()  # heals this sharding group here when it is behind
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
@@ -364,7 +390,7 @@ class TorchftReplicas(Replicas):
                 job()
         if ends_block:  # a sync step: the live groups vote (the module docstring, 3.)
             # a group-mate that died before it voted would hold the vote until the manager's timeout
-            self._group_meets()
+            self._group_meets(False)
             committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
         else:  # inside a block: the group's workers agree among themselves, no vote of the live groups
             committed = self._group_agrees(self.manager.errored() is None)
@@ -398,14 +424,19 @@ class TorchftReplicas(Replicas):
     def workers(self) -> int:
         return (self.live or 1) * self.group_size
 
-    def _group_meets(self) -> None:
+    def _group_meets(self, flag: bool) -> bool:
         """Every worker of the sharding group is here (a barrier over its process group, on the
-        trainer's device: NCCL takes no CPU tensors); raises if a group-mate died."""
+        trainer's device: NCCL takes no CPU tensors); raises if a group-mate died. Returns whether
+        any of them raised `flag`."""
         import torch
         import torch.distributed as dist
+        from torch.distributed import ReduceOp
 
-        if self.group_size > 1:
-            dist.all_reduce(torch.zeros(1, device=self.trainer.device))
+        if self.group_size == 1:
+            return flag
+        x = torch.tensor([1.0 if flag else 0.0], device=self.trainer.device)
+        dist.all_reduce(x, op=ReduceOp.MAX)
+        return bool(x[0] > 0)
 
     def _group_agrees(self, ok: bool) -> bool:
         """Whether every worker of the sharding group is `ok` (a MIN over its process group, on the
@@ -442,8 +473,9 @@ class TorchftReplicas(Replicas):
         return int(stop[0])
 
     def evaluates(self) -> bool:
-        """The live sharding group of quorum rank 0 evaluates (every eval row, over its L workers)."""
-        return self.manager.participating_rank() == 0
+        """The live sharding group of quorum rank 0 evaluates (every eval row, over its L workers);
+        not a group that left."""
+        return self.left is None and self.manager.participating_rank() == 0
 
     def _average(self, tensors: list[Any]) -> "_Average":
         """Launch the average of `tensors` over the live replicas: fp32 (and wider) tensors as one

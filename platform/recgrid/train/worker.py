@@ -21,6 +21,7 @@ replica component (`train.ft.TorchftReplicas`) over one sharding group of L work
 Train run of its own, which Ray Train restarts alone when one of them dies); shard rank
 0 of the live group of quorum rank 0 logs, that group writes the storage checkpoints
 (`train.ft.StorageFallback`), and `GroupReport` records each rebuilt group's heal or restore.
+A group whose node is drained leaves after its last sync (`_leave_at_drain`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class WorkerJob:
     checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
     lighthouse: str | None  # torchft: the job's lighthouse (`train.ft.Lighthouse`, owned by the driver); else None
+    min_groups: int  # torchft: the fewest live sharding groups that train (`JobConfig.min_groups`)
+    start_groups: int  # torchft: the sharding groups the cluster holds at the job's start (the first quorum waits for them)
 
 
 def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
@@ -257,14 +260,15 @@ def train_group_worker(cfg: dict) -> None:
     rows = RowLog(job.row_log, attempt, rank) if job.row_log else None
     # the manager last: its server beats to the lighthouse from here, and while a group beats without
     # asking for a quorum, a lone live group of M = 2 cannot form one (torchft's split-brain rule)
-    manager, replica_pg = make_manager(heal, world, device)
+    manager, replica_pg = make_manager(heal, world, device, job.min_groups)
     control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s})
     if not replacement:
-        _wait_for_peers(control, T)
+        _wait_for_peers(control, job.start_groups * L)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
     fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
                                             trainer=trainer), control, job.recovery, g, s)
-    replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback)
+    replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
+                                                  drain_notice=ray.train.get_preemption_info)
 
     def note_progress(step: int) -> None:  # a restarted group reads on from its own cursor (train.ft)
         if s == 0:
@@ -288,14 +292,50 @@ def train_group_worker(cfg: dict) -> None:
         control.say.remote(f"[recgrid] sharding group {g}: shard rank {s} stopped ({seen}); "
                            f"Ray Train restarts the group, which heals from a live peer group")
         raise
+    if replicas.left is not None:
+        _leave_at_drain(job, trainer, replicas, fallback, manager, g, s, L)
+        return
     manager.shutdown(wait=False)
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
 
 
+def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: Any, manager: Any, g: int, s: int,
+                    L: int) -> None:
+    """A node of this sharding group's run is being drained (Ray Train's notice, `train.ft`): the
+    group leaves after its committed step. Its updates were averaged into the live groups at the
+    block's sync and its data cursor is noted, so nothing it trained is lost; the last group to
+    leave writes a storage checkpoint first. Then its workers wait: Ray Train ends the run at the
+    drain's deadline and starts it again where there is room (the group comes back healed from
+    a live peer), unless the job ends first (the run then ends with it)."""
+    import ray
+    import torch.distributed as dist
+
+    notice, step, control = replicas.left, trainer.state.step, job.control
+    manager.shutdown(wait=False)  # the live groups' next quorum goes on without this group
+    box = [ray.get(control.group_leaves.remote(g, step, notice.preempted_node_ids, notice.deadline_ms))
+           if s == 0 else None]
+    if L > 1:
+        dist.broadcast_object_list(box, src=0)
+    stays, ckpt, kept = box[0], fallback.checkpointer, None
+    if not stays and ckpt.every:  # no group trains on: the model goes to storage (collective over the group)
+        kept = ckpt.maybe_save(step, force=True) if step % ckpt.every else ckpt.path_for(step)
+    if s == 0:
+        left = max(0.0, notice.deadline_ms / 1000 - time.time()) if notice.deadline_ms else None
+        control.say.remote(
+            f"[recgrid] sharding group {g}: its node is being drained"
+            + (f" ({left:.0f} s to the deadline)" if left is not None else "") + f"; it left after step {step}, "
+            + (f"groups {stays} train on and it comes back, healed from one of them, where there is room" if stays
+               else f"no group trains on: storage checkpoint {kept}" if kept
+               else "no group trains on and train.checkpoint_every=0: nothing is kept past this job"))
+    while not ray.get(control.over.remote()):
+        time.sleep(1.0)
+
+
 def _wait_for_peers(control: Any, workers: int) -> None:
-    """At the job's first start, wait until every worker's manager is up: the first quorum then
-    holds every sharding group (torchft forms a quorum of whoever asks first otherwise)."""
+    """At the job's first start, wait until the managers of `workers` workers are up (those of
+    the sharding groups the cluster holds): the first quorum then holds every group that can
+    start (torchft forms a quorum of whoever asks first otherwise); the others join later."""
     import ray
 
     deadline = time.time() + START_WAIT_S
