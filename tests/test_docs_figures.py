@@ -129,3 +129,14 @@ def test_compression_figures():
                    f"{r['sparse_bytes_per_step']:,.0f} | {r['sparse_over_dense']:.3f} | "
                    f"{r['expected_sparse_over_dense_uniform_ids']:.3f} | {r['dense_step_time_median_s'] * 1e3:.1f} | "
                    f"{r['sparse_step_time_median_s'] * 1e3:.1f} |")
+
+
+def test_failure_free_figures():
+    """What fault tolerance costs when nothing fails, as performance.md quotes it (issue 28, line 8)."""
+    ff = json.loads((RESULTS / "recovery.json").read_text())["results"]["tiny"]["failure_free"]
+    off = [j["median_qps"] for j in ff["jobs"]["off"]]
+    said(page(), f"every mechanism off {ff['off']['median_qps']:,.0f} QPS; failures allowed")
+    said(page(), f"{ff['failures_allowed']['median_qps']:,.0f} QPS, {ff['failures_allowed_over_off_qps']:.2f}x")
+    said(page(), f"{ff['demo']['median_qps']:,.0f} QPS, {ff['demo_over_off_qps']:.2f}x, inside the off jobs' spread "
+                 f"({min(off):,.0f}-{max(off):,.0f})")
+    assert min(off) <= ff["demo"]["median_qps"] <= max(off)

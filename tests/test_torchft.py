@@ -442,3 +442,24 @@ def test_job_control_pins_each_groups_cursor_at_checkpoint_steps_and_rewinds_to_
     assert cursors == {0: {"steps": 1000}, 1: {"steps": 701}, 2: None}
     assert c.group_status(1)["cursor"] == {"steps": 701} and c.group_status(0)["step"] == 10
     assert c.rewind_groups(10) == cursors  # a group restoring it after the first: the same cursors
+
+
+def test_job_control_says_which_groups_train_on_when_one_leaves_at_a_drain():
+    """`group_leaves` answers a group leaving at a drain with the groups that stay (none: it is the
+    last, and writes a storage checkpoint first); a group that commits again is back; `over` holds
+    once the job's workers said where they ended (the driver then ends runs still waiting for room)."""
+    from recgrid.train.control import JobControlImpl
+
+    c = JobControlImpl()
+    for g in (0, 1, 2):
+        c.group_progress(g, 5, {}, time.time())
+    assert c.group_leaves(2, 5, ["node-b"], None) == [0, 1]
+    assert c.group_leaves(1, 10, ["node-b"], 1_000) == [0]
+    time.sleep(0.01)
+    c.group_progress(2, 15, {}, time.time())  # group 2 came back on another node
+    assert c.group_leaves(0, 15, ["node-a"], None) == [2]
+    assert c.group_leaves(2, 20, ["node-c"], None) == []  # the last to leave
+    assert [x["group"] for x in c.status()["leaves"]] == [2, 1, 0, 2]
+    assert not c.over()
+    c.finished(20, False)
+    assert c.over()

@@ -390,72 +390,73 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
-    if on_start is not None:
-        on_start(actors)
-    t = config.train
-    torchft = config.fault_tolerance == "torchft"
-    # torchft: the job's lighthouse, in this process (it outlives every sharding group's run)
-    lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups) if torchft else None
-    job = WorkerJob(
-        engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
-        max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
-        train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
-        tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
-        run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
-        rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
-        snapshot_every_syncs=config.snapshot_every_syncs,
-        lighthouse=lighthouse.address if lighthouse is not None else None,
-        min_groups=config.min_groups, start_groups=placeable_groups(config),
-    )
-    low = config.grid.min_world_size
-    workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
-
-    def run_config(name: str) -> Any:
-        return RunConfig(name=name, storage_path=storage_path(config),
-                         failure_config=FailureConfig(max_failures=t.max_failures),
-                         # storage checkpoints (every job writes them by default): only the newest are kept
-                         checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
-                         callbacks=[FailureClock(actors.control)])
-
-    name = f"{config.run_name}-{tracker.run_id[:8]}"
-    backend = torch_config(config)
-    if torchft:
-        # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
-        # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
-        trainers = [TorchTrainer(
-            train_loop_per_worker=torchft_worker, train_loop_config={**pack(job), "group": g},
-            scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
-                                         resources_per_worker=worker_resources(config),
-                                         placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
-            torch_config=backend, run_config=run_config(f"{name}-group{g}"))
-            for g in range(grid.num_groups)]
-    else:
-        trainers = [TorchTrainer(
-            train_loop_per_worker=restart_worker,
-            train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
-            scaling_config=ScalingConfig(
-                num_workers=workers,
-                use_gpu=t.use_gpu,
-                resources_per_worker=worker_resources(config),
-                # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
-                # the workers check where they landed
-                placement_strategy=PLACEMENT_STRATEGY[grid.layout],
-                **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
-            ),
-            torch_config=backend, run_config=run_config(name))]
-    say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
-        f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
-        + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
-        + (", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
-           "is restarted and healed from a live peer group" if torchft else ""))
-    # torchft: the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
-    owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote() if torchft else None
-    fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) if owner is not None else tr.fit
-            for tr in trainers]
+    lighthouse = owner = None  # torchft: made below, ended in the finally whatever fails before training
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
     try:
+        if on_start is not None:
+            on_start(actors)
+        t = config.train
+        torchft = config.fault_tolerance == "torchft"
+        # torchft: the job's lighthouse, in this process (it outlives every sharding group's run)
+        lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups) if torchft else None
+        job = WorkerJob(
+            engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
+            max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
+            train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
+            tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
+            run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
+            rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
+            snapshot_every_syncs=config.snapshot_every_syncs,
+            lighthouse=lighthouse.address if lighthouse is not None else None,
+            min_groups=config.min_groups, start_groups=placeable_groups(config),
+        )
+        low = config.grid.min_world_size
+        workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
+
+        def run_config(name: str) -> Any:
+            return RunConfig(name=name, storage_path=storage_path(config),
+                             failure_config=FailureConfig(max_failures=t.max_failures),
+                             # storage checkpoints (every job writes them by default): only the newest are kept
+                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
+                             callbacks=[FailureClock(actors.control)])
+
+        name = f"{config.run_name}-{tracker.run_id[:8]}"
+        backend = torch_config(config)
+        if torchft:
+            # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
+            # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
+            trainers = [TorchTrainer(
+                train_loop_per_worker=torchft_worker, train_loop_config={**pack(job), "group": g},
+                scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
+                                             resources_per_worker=worker_resources(config),
+                                             placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
+                torch_config=backend, run_config=run_config(f"{name}-group{g}"))
+                for g in range(grid.num_groups)]
+        else:
+            trainers = [TorchTrainer(
+                train_loop_per_worker=restart_worker,
+                train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
+                scaling_config=ScalingConfig(
+                    num_workers=workers,
+                    use_gpu=t.use_gpu,
+                    resources_per_worker=worker_resources(config),
+                    # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
+                    # the workers check where they landed
+                    placement_strategy=PLACEMENT_STRATEGY[grid.layout],
+                    **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
+                ),
+                torch_config=backend, run_config=run_config(name))]
+        say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
+            f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
+            + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
+            + (", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
+               "is restarted and healed from a live peer group" if torchft else ""))
+        # torchft: the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
+        owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote() if torchft else None
+        fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) if owner is not None else tr.fit
+                for tr in trainers]
         _fit_watched(fits, console, interrupts or Interrupts(), actors.control,
                      end_runs=(lambda: ray.kill(owner)) if owner is not None else None)
     except Interrupted:
