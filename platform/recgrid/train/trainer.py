@@ -235,8 +235,12 @@ class FitHooks:
 
     on_log(metrics, step): the metrics reduced over the workers, every log_every steps, at the
         end and after each evaluation.
+    on_batch(trainer, step, batch): every batch the loop consumes, with the step it is trained
+        for, before its round commits (the pipelined loop, whose steps all commit, as each comes
+        out): row audits, which then hold every committed batch even when the worker dies
+        right after the commit.
     on_step(trainer, out, batch): after every batch the loop consumed (`out.committed` False for
-        a torchft round that did not commit): row audits.
+        a torchft round that did not commit).
     after_step: called with the step after every committed step, in order; each owns its
         cadence (`Snapshotter.maybe_snapshot`, `Checkpointer.maybe_save`, heartbeats).
     stop_requested(trainer): this worker's view of a stop request (`train.control`'s codes: 0
@@ -248,6 +252,7 @@ class FitHooks:
     """
 
     on_log: Callable[[dict[str, float], int], None] | None = None
+    on_batch: Callable[["Trainer", int, Any], None] | None = None
     on_step: Callable[["Trainer", StepOutput, Any], None] | None = None
     after_step: list[Callable[[int], Any]] = field(default_factory=list)
     stop_requested: Callable[["Trainer"], bool] | None = None
@@ -420,13 +425,17 @@ class Trainer:
         return out
 
     # ---- steps: the plain loop and the pipelined one -----------------------------------------------
-    def _steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
+    def _steps(self, batches: Iterator[Any], n: int,
+               on_batch: Callable[["Trainer", int, Any], None] | None = None) -> Iterator[tuple[StepOutput, Any]]:
         """Take up to `n` steps on `batches`, yielding `(output, the batch it trained)` after each
         step's replica sync; the caller's work between two yields (metrics, hooks, snapshots,
         evaluation) happens between two steps. Reads at most `n` batches from `batches`."""
-        return self._pipelined_steps(batches, n) if self.pipelined else self._plain_steps(batches, n)
+        if self.pipelined:
+            return self._pipelined_steps(batches, n, on_batch)
+        return self._plain_steps(batches, n, on_batch)
 
-    def _plain_steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
+    def _plain_steps(self, batches: Iterator[Any], n: int,
+                     on_batch: Callable[["Trainer", int, Any], None] | None) -> Iterator[tuple[StepOutput, Any]]:
         """Up to `n` batches, one round each; a round that does not commit (torchft) consumes its
         batch without a step. Stops early, saying why in `_interrupted`, when the replicas' start of a round
         replaced the state (a heal: the data resumes at the restored cursor), or when they say
@@ -444,10 +453,13 @@ class Trainer:
             batch = next(batches, None)
             if batch is None:
                 return
+            if on_batch is not None:  # before the round commits (`FitHooks.on_batch`)
+                on_batch(self, self.state.step + 1, batch)
             self._lookup_before = self.metrics.timer.seconds["lookup"]
             yield self._step(batch, time.perf_counter() - t0, round_s), batch
 
-    def _pipelined_steps(self, batches: Iterator[Any], n: int) -> Iterator[tuple[StepOutput, Any]]:
+    def _pipelined_steps(self, batches: Iterator[Any], n: int,
+                         on_batch: Callable[["Trainer", int, Any], None] | None) -> Iterator[tuple[StepOutput, Any]]:
         """Steps through TorchRec's TrainPipelineSparseDist. The pipeline reads from a
         `BatchFeeder` of exactly the `n` batches to train (it never reads past them), and one
         step is one output of `progress()`, counted when it comes out."""
@@ -470,6 +482,8 @@ class Trainer:
                 if self.replica_sync.due(self.state.step):
                     with timer.phase("sync"):
                         self.replica_sync.sync(self.state.step)
+                if on_batch is not None:
+                    on_batch(self, self.state.step, batch)
                 # seconds: the host's time to issue the step; its device time is in the phase timer
                 yield StepOutput(loss=output[0], logits=logits, labels=labels, seconds=time.perf_counter() - t0,
                                  step=self.state.step), batch
@@ -562,7 +576,7 @@ class Trainer:
             steps_left, batches = data.segment_batches(st.cursor)
             start = st.cursor.steps
             self._interrupted = None
-            steps = self._steps(batches, min(steps_left, loop.max_steps - st.step))
+            steps = self._steps(batches, min(steps_left, loop.max_steps - st.step), hooks.on_batch)
             for out, batch in steps:  # one consumed batch each (the pipelined loop reads ahead)
                 st.cursor.steps += 1
                 self.metrics.update(torch.sigmoid(out.logits.float()), out.labels, out.loss)

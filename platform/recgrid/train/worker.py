@@ -189,7 +189,7 @@ def train_worker(cfg: dict) -> None:
 
     after_step = ([report.step] if report else []) + [recovery.maybe_check_replicas, snapshotter.maybe_snapshot,
                                                       checkpointer.maybe_save]
-    hooks = FitHooks(on_log=on_log, on_step=rows.on_step if rows else None, after_step=after_step,
+    hooks = FitHooks(on_log=on_log, on_batch=rows.on_batch if rows else None, after_step=after_step,
                      stop_requested=StopPoll(control) if rank == 0 else None)
     trainer.fit(data, job.loop, eval_data, hooks)
     step = trainer.state.step
@@ -278,7 +278,7 @@ def train_group_worker(cfg: dict) -> None:
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
 
-    hooks = FitHooks(on_log=report.log, on_step=rows.on_step if rows else None,
+    hooks = FitHooks(on_log=report.log, on_batch=rows.on_batch if rows else None,
                      after_step=[note_progress, checkpoint, report.step], stop_requested=StopPoll(control))
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
@@ -390,7 +390,8 @@ def _sit_out(side_pg: Any) -> None:
 
 class RowLog:
     """Appends (step, row id) pairs of every trained row to `<dir>/rows-a<attempt>-r<rank>.bin`
-    (int64 pairs, written per step, so a killed worker's file holds every step it finished)."""
+    (int64 pairs, written per batch before its round commits, so a killed worker's file holds
+    every step its group committed, and at most its last uncommitted batch besides)."""
 
     def __init__(self, directory: str, attempt: int, rank: int) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -398,9 +399,10 @@ class RowLog:
         self.fd = os.open(row_log_file(directory, attempt, rank),
                           os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
 
-    def on_step(self, trainer: Trainer, out: Any, batch: Any) -> None:
-        """`FitHooks.on_step`: the rows of every consumed batch, under the step it counts for."""
-        self.write(out.step, getattr(batch, "row_ids", None))
+    def on_batch(self, trainer: Trainer, step: int, batch: Any) -> None:
+        """`FitHooks.on_batch`: the rows of every consumed batch, under the step it counts for,
+        written before its round commits (a worker killed right after a commit has them)."""
+        self.write(step, getattr(batch, "row_ids", None))
 
     def write(self, step: int, row_ids: Any) -> None:
         import numpy as np
