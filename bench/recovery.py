@@ -25,7 +25,8 @@ worker SIGKILLed; the other sharding group keeps training. Its seconds from the 
 and the surviving group's QPS during the recovery against as long a span before the failure, at
 T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the final eval NE of a
 fixed-length torchft job with one worker killed against the failure-free run of the same seed, for
-each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`).
+each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`),
+and against a failure-free run stopped at as many rows as the killed job trained (`same_rows`).
 
 The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
 jobs each): every mechanism off, failures allowed (`train.max_failures=2`, the rest derived), and the
@@ -216,14 +217,21 @@ def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int,
     steps each, 8,000 eval rows. The training rows cover the job in one epoch: over a second pass
     the eval NE of this data gets worse (from 0.614 at step 225 to 0.638 at step 300 on 120,000
     rows, seed 0), and a killed job's rebuilt group, which trails the others by the steps it was
-    away, reads less of that pass, so a second epoch makes the kill look like a gain."""
+    away, reads less of that pass, so a second epoch makes the kill look like a gain.
+
+    The killed job trains fewer rows in its `steps` than a failure-free one: while the broken group
+    is away the survivors' steps carry L x B rows each instead of T x B, and the rebuilt group
+    does not catch up by the end. So each seed also runs a failure-free job of as many steps as the
+    killed job's rows fill at T x B rows a step (`train/examples_total`, the job's count): the
+    "same rows" comparison, which tells a worse model per row from fewer rows."""
     import statistics
 
     rows = -(-steps * 4 * 128 // 10_000) * 10_000 + 10_000
     evaluate = [f"data.train={tmp}/data/{model}-{rows}/train/*.parquet", f"data.synth_rows={rows}",
                 f"data.eval={tmp}/data/{model}/eval/*.parquet", "data.synth_eval_rows=8000",
                 f"train.max_steps={steps}", "train.max_failures=1", "train.eval_every=0"]
-    free, killed = {}, {}
+    free, killed, killed_rows, same_rows, same_steps = {}, {}, {}, {}, {}
+    step_rows = 4 * 128  # T x B
     for seed in range(seeds):
         result, _ = _torchft_job(tmp, model, [*evaluate, f"train.seed={seed}"], None)
         free[seed] = result.metrics["eval/ne"]
@@ -231,14 +239,27 @@ def run_torchft_quality(tmp: Path, model: str, kill_after_step: int, steps: int,
         if result.status != "FINISHED" or not [e for e in result.events if "seconds" in e]:
             raise RuntimeError(f"{model}/torchft quality: the job did not recover: {result.status} {result.error}")
         killed[seed] = result.metrics["eval/ne"]
+        killed_rows[seed] = int(result.metrics["train/examples_total"])
+        same_steps[seed] = round(killed_rows[seed] / step_rows)
+        result, _ = _torchft_job(tmp, model, [*evaluate, f"train.seed={seed}", f"train.max_steps={same_steps[seed]}"],
+                                 None)
+        same_rows[seed] = result.metrics["eval/ne"]
     diffs = [killed[k] - free[k] for k in free]
+    same_diffs = [killed[k] - same_rows[k] for k in free]
     noise = statistics.stdev(free.values()) if seeds > 1 else float("nan")
-    mean_diff = statistics.fmean(diffs)
+    mean_diff, mean_same = statistics.fmean(diffs), statistics.fmean(same_diffs)
     return {"steps": steps, "kill_after_step": kill_after_step, "seeds": seeds, "train_rows": rows,
             "eval_ne_failure_free": {str(k): round(v, 5) for k, v in free.items()},
             "eval_ne_with_kill": {str(k): round(v, 5) for k, v in killed.items()},
             "difference_per_seed": [round(d, 5) for d in diffs], "mean_difference": round(mean_diff, 5),
-            "seed_stdev_failure_free": round(noise, 5), "within_2_seed_stdev": abs(mean_diff) <= 2 * noise}
+            "seed_stdev_failure_free": round(noise, 5), "within_2_seed_stdev": abs(mean_diff) <= 2 * noise,
+            "same_rows": {
+                "rows_trained_with_kill": {str(k): v for k, v in killed_rows.items()},
+                "rows_trained_failure_free": steps * step_rows,
+                "steps": {str(k): v for k, v in same_steps.items()},
+                "eval_ne_failure_free": {str(k): round(v, 5) for k, v in same_rows.items()},
+                "difference_per_seed": [round(d, 5) for d in same_diffs], "mean_difference": round(mean_same, 5),
+                "within_2_seed_stdev": abs(mean_same) <= 2 * noise}}
 
 
 def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: int | None,

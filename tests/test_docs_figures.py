@@ -140,3 +140,17 @@ def test_failure_free_figures():
     said(page(), f"{ff['demo']['median_qps']:,.0f} QPS, {ff['demo_over_off_qps']:.2f}x, inside the off jobs' spread "
                  f"({min(off):,.0f}-{max(off):,.0f})")
     assert min(off) <= ff["demo"]["median_qps"] <= max(off)
+
+
+def test_torchft_quality_figures():
+    """A kill's eval NE against failure-free jobs, and against failure-free jobs of as many rows,
+    as performance.md quotes it (issue 28, line 9: the measured reason)."""
+    q = json.loads((RESULTS / "recovery.json").read_text())["results"]["tiny"]["torchft_quality"]
+    same = q["same_rows"]
+    rows = sorted(same["rows_trained_with_kill"].values())
+    said(page(), f"final eval NE {q['mean_difference']:.4f} worse than the failure-free jobs, "
+                 f"{q['mean_difference'] / q['seed_stdev_failure_free']:.1f} seed standard deviations "
+                 f"({q['seed_stdev_failure_free']:.4f})",
+         f"the killed jobs trained {rows[0]:,}-{rows[-1]:,} rows against {same['rows_trained_failure_free']:,}",
+         f"end {-same['mean_difference']:.4f} worse than the killed ones, within 2 seed standard deviations")
+    assert not q["within_2_seed_stdev"] and same["within_2_seed_stdev"] and same["mean_difference"] < 0
