@@ -134,6 +134,41 @@ def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     return {s: ids for s, (_, ids) in final.items()}, redone
 
 
+def workers_of(st: dict) -> dict[int, dict]:
+    """Global rank -> the record of its newest process, over every attempt of a job's status."""
+    return {r: w for a in st["attempts"] for r, w in a["workers"].items()}
+
+
+def part_positions(config: Any, workers: int, rank: int, logs: dict) -> tuple[list[int], np.ndarray]:
+    """Where each batch rank `rank` logged (`read_row_logs`, its attempts in order) sits in its part
+    of the first epoch of the job's plan for `workers` workers, and the step each was logged under."""
+    from recgrid.data.stream import scan_inputs
+    from recgrid.data.units import DataCursor, EpochPlan, take_rows
+
+    inputs = scan_inputs(config.data.train, config.dataset_spec())
+    B = config.train.batch_size
+    seg = EpochPlan(inputs, config.train.seed, B, config.data.rows_per_unit).segment(DataCursor(), workers)
+    first_row = np.cumsum([0, *inputs.rows])
+    expected = [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
+                                        for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
+                for k in range(seg.steps_total)]
+    rows = np.concatenate([logs[k] for k in sorted(logs) if k[1] == rank])
+    return [expected.index(np.sort(b).tobytes()) for b in rows[:, 1].reshape(-1, B)], rows[::B, 0]
+
+
+def read_again_from(positions: list[int], step: int, rank: int) -> int | None:
+    """Check a rank's `part_positions` around a storage restore of `step`: in order up to the
+    loss, then again from `step` on, in order. Returns the index of the first batch read again
+    (None: lost right after committing the checkpoint's step, nothing read again)."""
+    again = next((i for i in range(1, len(positions)) if positions[i] <= positions[i - 1]), None)
+    if again is None:
+        assert positions == list(range(len(positions))), rank
+        return None
+    assert positions[:again] == list(range(again)), rank  # in order up to the loss
+    assert positions[again:] == list(range(step, step + len(positions) - again)), rank  # from the checkpoint on
+    return again
+
+
 def planned_rows(config: Any, workers: int, steps: int) -> dict[int, np.ndarray]:
     """Step -> the sorted row ids the job's epoch plan gives `workers` workers at steps 1..`steps`
     of its first epoch, from the start (what a job that never failed, or lost nothing, trains)."""

@@ -34,9 +34,7 @@ from pathlib import Path
 
 import pytest
 
-import numpy as np
-
-from faults import BackgroundJob, mlflow_client, ray_env, small_job
+from faults import BackgroundJob, mlflow_client, part_positions, ray_env, read_again_from, small_job, workers_of
 
 WORKER_SLOT = "train.resources_per_worker={worker_slot: 1}"  # workers on the worker nodes only
 
@@ -157,8 +155,6 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
     the newest storage checkpoint (every 5 steps by default here), say so in the log and the run,
     and end FINISHED. The row audit: each rank read its part up to the loss, then again from
     where its cursor stood at the checkpoint's step: no row skipped."""
-    from recgrid.data.stream import scan_inputs
-    from recgrid.data.units import DataCursor, EpochPlan, take_rows
     from recgrid.train.checkpoint import checkpoint_step
     from recgrid.train.worker import read_row_logs
 
@@ -166,13 +162,9 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
                     "train.max_failures=2")
     assert cfg.fault_tolerance == "torchft"
     assert cfg.train.checkpoint_every is None and cfg.checkpoint_every == 5
-
-    def workers(s: dict) -> dict[int, dict]:
-        return {r: w for a in s["attempts"] for r, w in a["workers"].items()}
-
     job = BackgroundJob(cfg)
-    st = job.wait_for(lambda s: len(workers(s)) == 4 and s["last_step"] > 17)
-    first = workers(st)
+    st = job.wait_for(lambda s: len(workers_of(s)) == 4 and s["last_step"] > 17)
+    first = workers_of(st)
     # host-local: sharding group g = ranks g and M+g (engine/grid.py), each spread over both nodes
     for g in range(2):
         assert first[g]["node"] != first[2 + g]["node"], first
@@ -197,26 +189,12 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
     every = [(k, w) for a in r.attempts for k, w in a["workers"].items()]
     assert {(int(k), w["node"], w["pid"]) for k, w in every} <= recorded and len(every) > 4
     # the row audit, per rank: a prefix of its part, then again from the restored step on
-    inputs = scan_inputs(cfg.data.train, cfg.dataset_spec())
-    plan = EpochPlan(inputs, cfg.train.seed, cfg.train.batch_size, cfg.data.rows_per_unit)
-    first_row = np.cumsum([0, *inputs.rows])
-    B, seg = cfg.train.batch_size, plan.segment(DataCursor(), 4)
     logs = read_row_logs(str(tmp_path / "rows"))
     for rank in range(4):
-        expected = [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
-                                            for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
-                    for k in range(seg.steps_total)]
-        rows = np.concatenate([logs[k] for k in sorted(logs) if k[1] == rank])
-        positions = [expected.index(np.sort(b).tobytes()) for b in rows[:, 1].reshape(-1, B)]
+        positions, _ = part_positions(cfg, 4, rank, logs)
         # no gap (a group that came back later, healed from the first, trails it by the steps it was away)
         assert sorted(set(positions)) == list(range(max(positions) + 1)), rank
-        again = next((i for i in range(1, len(positions)) if positions[i] <= positions[i - 1]), None)
-        if again is None:  # lost right after committing the checkpoint's step: nothing to read again
-            assert positions == list(range(len(positions))), rank
-            continue
-        assert positions[:again] == list(range(again)), rank  # in order up to the loss
-        assert positions[again] == e["step"], rank  # read on from the restored checkpoint's step
-        assert positions[again:] == list(range(e["step"], e["step"] + len(positions) - again)), rank
+        read_again_from(positions, e["step"], rank)
 
 
 def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drained(cluster, tmp_path):
@@ -245,12 +223,9 @@ def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drai
 def _join_then_drain(c, cluster, job, cfg, K: int) -> None:
     import subprocess
 
-    def workers(s: dict) -> dict[int, dict]:
-        return {r: w for a in s["attempts"] for r, w in a["workers"].items()}
-
     # inter-host: sharding group 0 = ranks 0, 1; group 1 = ranks 2, 3 (engine/grid.py); either may get the room
     st = job.wait_for(lambda s: s["last_step"] > 3 * K)
-    first = workers(st)
+    first = workers_of(st)
     assert sorted(first) in ([0, 1], [2, 3])  # the group with no room has no process
     starter, joiner = ((0, 1), (2, 3)) if 0 in first else ((2, 3), (0, 1))
     joiner_group = joiner[0] // 2
@@ -259,7 +234,7 @@ def _join_then_drain(c, cluster, job, cfg, K: int) -> None:
     cluster["nodes"].append(room)
 
     def synced_at_two(s: dict) -> int | None:  # a sync step every worker noted its tables at, with 2 groups live
-        w = workers(s)
+        w = workers_of(s)
         if sorted(w) != [0, 1, 2, 3]:
             return None
         steps = set.intersection(*({int(k[7:]) for k in w[r] if k.startswith("digest@") and w[r].get(f"live@{k[7:]}") == 2}
@@ -268,7 +243,7 @@ def _join_then_drain(c, cluster, job, cfg, K: int) -> None:
 
     # the joining group trains: its workers note their tables at its first syncs at M=2, equal to the other group's
     st = job.wait_for(lambda s: synced_at_two(s) is not None, timeout=240)
-    joined, synced = workers(st), synced_at_two(st)
+    joined, synced = workers_of(st), synced_at_two(st)
     assert {joined[r]["node"] for r in joiner} == {room.node_id}  # inter-host: a node per sharding group
     assert joined[starter[0]]["node"] == joined[starter[1]]["node"] != room.node_id
     assert joined[0]["digest@%d" % synced] == joined[2]["digest@%d" % synced]  # shard 0 of both groups: bit for bit
@@ -287,7 +262,7 @@ def _join_then_drain(c, cluster, job, cfg, K: int) -> None:
     job.request_stop()
     r = job.join()
     assert r.status == "FINISHED", r.error
-    final = workers({"attempts": r.attempts})
+    final = workers_of({"attempts": r.attempts})
     assert {k: final[k]["pid"] for k in starter} == pids  # the first group kept its processes throughout
     client = mlflow_client(cfg)
     groups = [m.value for m in sorted(client.get_metric_history(r.run_id, "grid/num_groups"), key=lambda m: m.step)]
