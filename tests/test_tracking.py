@@ -58,6 +58,30 @@ def test_run_params_metrics_and_finish(store: str) -> None:
     assert exp.name == "t-finish" and exp.artifact_location.endswith("/sub/mlartifacts")
 
 
+def test_a_recovery_event_written_again_by_the_next_logger_reaches_the_run_once(store: str) -> None:
+    """A logging worker killed between writing a recovery event and saying so: the next logger gets
+    the same step and time from job control (`event_slot`) and repeats the write, which MLflow
+    stores once; a later event goes at a later step; a logged event is nobody's to write again."""
+    from recgrid.train.control import JobControlImpl
+
+    control = JobControlImpl()
+    tracker = Tracker(experiment="t-event", tracking_uri=store)
+    with tracker.start("events"):
+        first = control.event_slot(0, 40)
+        tracker.log_metrics({"recovery/count": 1, "recovery/seconds": 7.5}, *first)  # ... and killed here
+        assert control.event_slot(0, 60) == first  # the next logger, at its own step 60
+        tracker.log_metrics({"recovery/count": 1, "recovery/seconds": 7.5}, *first)
+        control.event_logged(0)
+        assert control.event_slot(0, 70) is None
+        second = control.event_slot(1, 40)  # logged at the same call as the first, say
+        assert second[0] == 41
+        tracker.log_metrics({"recovery/count": 2, "recovery/seconds": 3.0}, *second)
+    client = MlflowClient(tracking_uri=store)
+    history = client.get_metric_history(tracker.run_id, "recovery/count")
+    assert sorted((m.step, m.value) for m in history) == [(40, 1.0), (41, 2.0)]
+    assert client.get_run(tracker.run_id).data.metrics["recovery/count"] == 2
+
+
 def test_exception_marks_run_failed_with_error(store: str) -> None:
     tracker = Tracker(experiment="t-fail", tracking_uri=store)
     with pytest.raises(RuntimeError, match="worker 3 died"):

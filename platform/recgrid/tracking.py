@@ -286,13 +286,14 @@ class Tracker:
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Log one point of each metric series at `step`, in as few requests as MLflow allows.
-        None values are skipped; NaN is stored as NaN."""
+        None values are skipped; NaN is stored as NaN. With `timestamp_ms` the points carry that
+        time: the same write repeated is stored once (MLflow keys a point by key, time, step, value)."""
         from mlflow.entities import Metric
 
         run_id = self._require_run()
-        now = int(time.time() * 1000)
+        now = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])

@@ -17,8 +17,11 @@ events):
   the driver prints (`say`, `console`): Ray's own forwarding of worker output stays off;
 - heartbeats: the newest step any attempt finished, sent by the worker that logs, throttled to
   one call per `HEARTBEAT_S` (and every logging step), never one per step;
-- MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`), and
-  `claim_step`, which says yes once per series and step, restarts included;
+- MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`),
+  `claim_step`, which says yes once per series and step, restarts included, and each recovery
+  event's place in the run (`event_slot`: the step and time its metrics carry, fixed by the first
+  logger that asks, so a logger killed mid-write leaves a write the next one repeats exactly, which
+  MLflow stores once) until it is logged (`event_logged`);
 - with torchft, each sharding group's progress (`group_progress`): the step and data cursor of
   its newest committed round, noted by the group's shard rank 0 after every commit, so a rebuilt
   group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
@@ -57,6 +60,8 @@ class JobControlImpl:
         self.final: dict[str, Any] | None = None  # where the job's workers ended: step, interrupted
         self.lines: list[str] = []  # the console: what the workers said, for the driver to print
         self.claimed: dict[str, set[int]] = {}  # series logged at restarts -> steps they have
+        self.event_slots: dict[int, tuple[int, int]] = {}  # recovery event -> (step, time in ms) it is logged at
+        self.events_logged: set[int] = set()  # recovery events whose metrics and tags reached the run
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
         self.leaves: list[dict[str, Any]] = []  # torchft: each sharding group's leaving at a drain (group, step, at)
@@ -123,6 +128,22 @@ class JobControlImpl:
             return False
         claimed.add(step)
         return True
+
+    def event_slot(self, index: int, step: int) -> tuple[int, int] | None:
+        """Where recovery event `index` goes in the run: (step, time in ms), the same for every logger
+        that asks until one says it is logged (`event_logged`), then None. The first asker's `step`,
+        past every earlier event's (one event per step, so no metric has two values at a step)."""
+        with self._lock:
+            if index in self.events_logged:
+                return None
+            if index not in self.event_slots:
+                after = max((s for s, _ in self.event_slots.values()), default=-1) + 1
+                self.event_slots[index] = (max(step, after), int(time.time() * 1000))
+            return self.event_slots[index]
+
+    def event_logged(self, index: int) -> None:
+        with self._lock:
+            self.events_logged.add(index)
 
     def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
                        checkpoint_every: int = 0) -> None:

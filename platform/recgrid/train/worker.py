@@ -507,8 +507,9 @@ class Reporter:
         self.say(f"recovered from {self.recovery['source']} in {fields['seconds']:.1f} s "
                  f"({fields['steps_lost']} steps lost)")
 
-    def log_event(self, count: int, event: dict[str, Any], step: int) -> None:
-        """Recovery number `count` into the run: its metrics and its source, detail and why as tags."""
+    def log_event(self, count: int, event: dict[str, Any], step: int, timestamp_ms: int | None = None) -> None:
+        """Recovery number `count` into the run: its metrics (at `step`, and `timestamp_ms` when given:
+        then writing it again changes nothing) and its source, detail and why as tags."""
         values = {"recovery/count": count, "recovery/seconds": event["seconds"],
                   "recovery/steps_lost": event.get("steps_lost", 0)}
         if "survivors_qps" in event:  # torchft: what the groups that kept training did meanwhile
@@ -520,7 +521,7 @@ class Reporter:
         if "kept_training" in event:
             tags[f"recovery/kept_training/{count}"] = ",".join(map(str, event["kept_training"])) or "none"
         if self.tracker is not None:
-            self.tracker.log_metrics(values, step)
+            self.tracker.log_metrics(values, step, timestamp_ms)
             self.tracker.set_tags(tags)
         self.exporter(values, step)
 
@@ -763,7 +764,10 @@ class GroupReport:
         return out
 
     def _log_events(self, step: int) -> None:
-        """The logger's part: replacement events recorded by newcomers, each logged once."""
+        """The logger's part: replacement events recorded by newcomers, each logged once. Each at the
+        step and time job control fixed for it (`JobControl.event_slot`), and marked logged only after
+        the write: a logger killed in between (a kill aimed at the logging worker lands at a logging
+        step) leaves the event to the next logger, whose identical write MLflow stores once."""
         import ray
 
         events = ray.get(self.coordinator.status.remote())["events"]
@@ -771,9 +775,11 @@ class GroupReport:
             if i in self.events_logged or "seconds" not in event:
                 continue
             self.events_logged.add(i)
-            if not ray.get(self.control.claim_step.remote("event", i)):
+            slot = ray.get(self.control.event_slot.remote(i, step))
+            if slot is None:  # another logger wrote it
                 continue
-            self.report.log_event(i + 1, event, step)
+            self.report.log_event(i + 1, event, *slot)
+            ray.get(self.control.event_logged.remote(i))
             self.report.say(f"recovery {i + 1}: {event.get('why', '')}; first step {event['seconds']:.1f} s after "
                             f"the failure was seen")
 
