@@ -524,6 +524,37 @@ def test_a_restart_from_step_0_says_so_in_the_log_and_the_run(shared_ray, tmp_pa
         tracker.finish()
 
 
+def _first_quorum(trainer, control, coordinator, resume_from: str):
+    """A sharding group of one worker at its first quorum under torchft (`train.ft`), alone with a
+    real lighthouse: what it restored, what it said, and its manager's step after."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.ft import HealTransport, StorageFallback, TorchftReplicas
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    heal, said = HealTransport(trainer, 0), []
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=heal.load,
+                      state_dict=heal.state_dict, min_replica_size=1, use_async_quorum=False, init_sync=False,
+                      timeout=timedelta(seconds=20), rank=0, world_size=1, replica_id="resume",
+                      store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse.address())
+    try:
+        listener = SimpleNamespace(quorum=lambda live, rank: None, finished_elsewhere=lambda: False, say=said.append)
+        fallback = StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0, resume_from=resume_from)
+        replicas = TorchftReplicas(trainer, manager, heal, listener, fallback=fallback)
+        assert replicas.start_round() == "reload"  # the state and its data cursor changed: the loop reloads
+        return heal.restored, said, manager.current_step()
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
 def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they_should(shared_ray, tmp_path):
     """Three recovery paths on real actors (job control, the recovery coordinator and its holder)
     and a one-rank gloo group in this process, the cheapest real form of each:
@@ -533,7 +564,8 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     2. a slot file corrupted after it was written is caught by the checksum it was written with
        before the restore uses it: the copy is dropped and the older complete generation restored,
        and the log and the recovery event say so;
-    3. `train.resume_from`: a new run's first attempt loads another run's storage checkpoint and
+    3. `train.resume_from`, as a sharding group's first quorum reads it (`train.ft`: a real torchft
+       manager and lighthouse): no storage checkpoint of its own job, so it loads another run's and
        continues at its step exactly as the run that wrote it continued."""
     import uuid
 
@@ -575,12 +607,12 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         snapshotter.close()
         return control, coordinator, trainer, states, said
 
-    def restore(control, coordinator, resume_from=None):
+    def restore(control, coordinator):
         attempt = ray.get(control.begin_attempt.remote(1))
         fresh = Trainer.build(grid, engine, torch.device("cpu"))
         said: list[str] = []
         restored = recovery.Recovery(coordinator, control, grid, fresh.groups, [node], attempt).restore(
-            fresh, Checkpointer(every=0), None, resume_from, say=said.append)
+            fresh, Checkpointer(every=0), None, None, say=said.append)
         events = ray.get(coordinator.status.remote())["events"]
         return fresh, restored, said, events
 
@@ -629,11 +661,12 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         control, coordinator = JobControl.remote(), recovery.RecoveryCoordinator.remote(uuid.uuid4().hex)
         actors.extend([control, coordinator])
         coordinators.append(coordinator)
-        resumed, restored, said, events = restore(control, coordinator, resume_from=path)
+        resumed = Trainer.build(grid, engine, torch.device("cpu"))
         trainers.append(resumed)
-        assert (restored.source, restored.step, restored.detail) == ("resume", 4, path)
-        assert same(resumed, states[4]) and any(f"resuming from the checkpoint {path}" in line for line in said)
-        assert events[-1]["source"] == "resume" and len(ray.get(control.status.remote())["attempts"]) == 1
+        restored, said, step = _first_quorum(resumed, control, coordinator, path)
+        assert (restored["source"], restored["step"], restored["path"], step) == ("resume", 4, path, 4)
+        assert same(resumed, states[4]) and any(f"resumed from train.resume_from, the checkpoint of step 4 ({path})"
+                                                in line for line in said), said
         got = [float(x) for x in resumed.run(iter(batches[4:8]), 8).losses]
         assert resumed.state.step == 8 and len(got) == 4 and max(abs(x - y) for x, y in zip(got, want)) <= 1e-6
     finally:

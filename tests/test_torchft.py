@@ -318,7 +318,6 @@ def test_a_storage_restore_reads_the_rows_after_the_checkpoint_again_and_skips_n
 
 
 @pytest.mark.parametrize("overrides,field,words", [
-    (["train.resume_from=s3://bucket/checkpoint_step_00000010"], "train.resume_from", "not read"),
     (["grid.delayed_moment_sync=true"], "grid.delayed_moment_sync", "not supported"),
 ])
 def test_torchft_configs_it_cannot_carry_fail_at_start(tmp_path, overrides, field, words):

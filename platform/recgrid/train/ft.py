@@ -66,8 +66,9 @@ is a barrier over every worker, and the other groups are training meanwhile); th
 coordinator keeps the list, and the writer deletes all but the newest CHECKPOINTS_KEPT. A group
 whose first quorum finds nobody ahead of step 0 reads the newest checkpoint, if there is one,
 and every group's data cursor goes back to where it stood at that step (job control pins them,
-`JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without a
-checkpoint the job starts again from step 0, and says so.
+`JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without one
+it reads `train.resume_from` (another job's checkpoint, with the data cursor it holds), as every
+group does at the job's start; without either the job starts again from step 0, and says so.
 
 Elasticity and drains: a group leaves and the others train on (c from the live count); a group
 whose run had no room joins when it gets some, healed like a rebuilt one. When Ray Train says a
@@ -245,11 +246,13 @@ class HealTransport:
 class StorageFallback:
     """Storage checkpoints under torchft (the module docstring): `maybe_save` after every committed
     step (the live group of quorum rank 0 writes at the job's checkpoint steps), `restore` at a
-    group's first quorum when nobody is ahead of step 0."""
+    group's first quorum when nobody is ahead of step 0: the job's newest storage checkpoint, else
+    `resume_from` (`train.resume_from`: another job's checkpoint, at any M and L), else nothing."""
 
-    def __init__(self, checkpointer: Any, control: Any, coordinator: Any, group: int, shard: int) -> None:
+    def __init__(self, checkpointer: Any, control: Any, coordinator: Any, group: int, shard: int,
+                 resume_from: str | None = None) -> None:
         self.checkpointer, self.control, self.coordinator = checkpointer, control, coordinator
-        self.group, self.shard = group, shard
+        self.group, self.shard, self.resume_from = group, shard, resume_from
         checkpointer.after_save = self.written
 
     def maybe_save(self, step: int, writes: bool) -> None:
@@ -273,22 +276,28 @@ class StorageFallback:
 
     def restore(self, trainer: Trainer) -> dict[str, Any] | None:
         """Load the job's newest storage checkpoint, if any (collective over the sharding group:
-        shard rank 0 picks it), and set this group's data cursor to where it stood at that step."""
+        shard rank 0 picks it), and set this group's data cursor to where it stood at that step;
+        else `resume_from`, with the data cursor it holds (where the job that wrote it stood, its
+        parts re-split for this job's when T differs). Returns what was loaded (`source` "storage"
+        or "resume", path, step, seconds), or None."""
         import ray
         import torch.distributed as dist
 
         box = [ray.get(self.coordinator.latest_checkpoint.remote()) if self.shard == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
-        path = box[0]
+        path, source = box[0], "storage"
         if path is None:
-            return None
+            if not self.resume_from:
+                return None
+            path, source = self.resume_from, "resume"
         t0 = time.time()
         step = self.checkpointer.load(trainer, path)
-        cursor = ray.get(self.control.rewind_groups.remote(step)).get(self.group)
-        trainer.state.cursor.load_state_dict(cursor if cursor is not None
-                                             else type(trainer.state.cursor)().state_dict())
-        return {"path": path, "step": step, "load_s": time.time() - t0, "at": time.time()}
+        if source == "storage":
+            cursor = ray.get(self.control.rewind_groups.remote(step)).get(self.group)
+            trainer.state.cursor.load_state_dict(cursor if cursor is not None
+                                                 else type(trainer.state.cursor)().state_dict())
+        return {"source": source, "path": path, "step": step, "load_s": time.time() - t0, "at": time.time()}
 
 
 class GroupListener(Protocol):
@@ -360,7 +369,8 @@ class TorchftReplicas(Replicas):
 
     def _maybe_restore(self) -> None:
         """At this group's first quorum: nobody ahead of step 0 (no heal) means every group was lost
-        (or M = 1): the newest storage checkpoint, if any, and the manager's step with it."""
+        (or M = 1), or the job starts: the newest storage checkpoint, else `train.resume_from`, if
+        any (`StorageFallback.restore`), and the manager's step with it."""
         if self.fallback is None or self.heal.unseen_heal or self.manager.current_step() != 0:
             return
         restored = self.fallback.restore(self.trainer)
@@ -370,8 +380,10 @@ class TorchftReplicas(Replicas):
         self.heal.restored = restored
         self.heal.unseen_heal = True  # the state and the data cursor changed: the loop reloads
         if self.fallback.shard == 0:
-            self.listener.say(f"sharding group {self.heal.group}: no live group ahead; restored the storage "
-                              f"checkpoint of step {restored['step']} ({restored['path']})")
+            what = ("restored the storage checkpoint" if restored["source"] == "storage"
+                    else "no storage checkpoint of this job; resumed from train.resume_from, the checkpoint")
+            self.listener.say(f"sharding group {self.heal.group}: no live group ahead; {what} of step "
+                              f"{restored['step']} ({restored['path']})")
 
     def commit(self, step: int) -> bool:
         import torch

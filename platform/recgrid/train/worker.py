@@ -266,7 +266,7 @@ def train_group_worker(cfg: dict) -> None:
         _wait_for_peers(control, job.start_groups * L)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
     fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
-                                            trainer=trainer), control, job.recovery, g, s)
+                                            trainer=trainer), control, job.recovery, g, s, job.resume_from)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
                                                   drain_notice=ray.train.get_preemption_info)
 
@@ -683,17 +683,39 @@ class GroupReport:
     # ---- events -----------------------------------------------------------------------------------------
     def _record_start(self) -> None:
         """At its first committed step, shard rank 0 of a rebuilt group records how the group came
-        back, and what the groups that kept training did meanwhile."""
+        back, and what the groups that kept training did meanwhile; at the job's start, shard rank 0
+        of the logging group records a resume from `train.resume_from` (every group resumed)."""
         import ray
 
-        if not self.replacement or self.shard != 0:
+        heal, restored = self.heal.heals[-1] if self.heal.heals else None, self.heal.restored
+        if self.shard != 0:
+            return
+        if not self.replacement:
+            # the job's start: only a resume is an event, recorded once (by the group that logs)
+            if restored is not None and restored["source"] == "resume" and self.report is not None:
+                now = time.time()
+                ray.get(self.coordinator.record.remote({
+                    "source": "resume", "step": restored["step"], "restore_s": restored["load_s"],
+                    "detail": restored["path"], "why": f"resuming from the checkpoint {restored['path']} (step "
+                                                       f"{restored['step']}; train.resume_from)",
+                    "attempt": self.attempt, "sharding_group": self.group, "pid": os.getpid(), "steps_lost": 0,
+                    "at_start": True,
+                    "t_failure_detected": self.attempt_info["start"], "t_attempt_start": self.attempt_info["start"],
+                    "t_heal": restored["at"], "t_first_step": now, "seconds": now - self.attempt_info["start"],
+                    "num_groups": self.live, "world_size": (self.live or 1) * self.job.group_size}))
             return
         now = time.time()
         detected = self._failure_seen()
-        heal, restored = self.heal.heals[-1] if self.heal.heals else None, self.heal.restored
         t_heal = heal["at"] if heal else None
         steps_lost = 0
-        if restored is not None:  # the group's commits after the checkpoint are trained again
+        if restored is not None and restored["source"] == "resume":  # every group lost, no storage checkpoint
+            steps_lost = self.before.get("step") or 0
+            event = {"source": "resume", "step": restored["step"], "restore_s": restored["load_s"],
+                     "why": f"no live sharding group ahead of step 0 and no storage checkpoint of this job: "
+                            f"resumed from train.resume_from, the checkpoint of step {restored['step']}",
+                     "detail": restored["path"]}
+            t_heal = restored["at"]
+        elif restored is not None:  # the group's commits after the checkpoint are trained again
             steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
             event = {"source": "storage", "step": restored["step"], "restore_s": restored["load_s"],
                      "why": f"no live sharding group ahead of step 0: the storage checkpoint of step "
@@ -780,8 +802,9 @@ class GroupReport:
                 continue
             self.report.log_event(i + 1, event, *slot)
             ray.get(self.control.event_logged.remote(i))
+            since = "the group started" if event.get("at_start") else "the failure was seen"
             self.report.say(f"recovery {i + 1}: {event.get('why', '')}; first step {event['seconds']:.1f} s after "
-                            f"the failure was seen")
+                            f"{since}")
 
 
 def metrics_exporter(job: WorkerJob, rank: int):
