@@ -94,7 +94,10 @@ def lighthouse_listens(worker_pids, before: set[str]) -> list[str]:
 def job(tmp_path_factory, shared_ray):
     tmp = tmp_path_factory.mktemp("torchft")
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
-    config = _config(tmp)
+    # a DMT tower model (two towers of one worker per sharding group, DLRM tower modules): the
+    # heal carries the tower modules with the dense part, and the live groups average them; with
+    # delayed moment sync (each group's moments its own between averages: the heal carries the peer's)
+    config = _config(tmp, "model.towers=2", "model.tower_module=dlrm", "grid.delayed_moment_sync=true")
     seed = int(os.environ.get("RECGRID_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"\nchaos seed {seed} (replay: RECGRID_CHAOS_SEED={seed})")
     rng = random.Random(seed)
@@ -194,9 +197,10 @@ def test_the_rebuilt_group_healed_from_the_live_peer_group_bit_for_bit(job):
         assert e["source"] == "peer" and e["sharding_group"] == g and e["from_replica"] == 1 - g
         assert e["digest"] == e["source_digest"] and e["bit_identical"]
     # at the end (a sync step) the groups hold the same tables, moments, dense part and its optimizer
+    # (the dense part per shard rank: it holds its tower's module, the same in every group)
     for r in range(L):  # each replica group: shard rank r of every sharding group (global ranks rM .. rM+M-1)
         assert len({final[r * M + g]["final_digest"] for g in range(M)}) == 1, r
-    assert len({w["final_dense_digest"] for w in final.values()}) == 1
+        assert len({final[r * M + g]["final_dense_digest"] for g in range(M)}) == 1, r
     assert next(iter(final.values()))["final_step"] % K == 0
 
 
@@ -317,22 +321,11 @@ def test_a_storage_restore_reads_the_rows_after_the_checkpoint_again_and_skips_n
         assert positions[again] == e["step"] and steps[again] == e["step"] + 1, rank  # read on from step 10k
 
 
-@pytest.mark.parametrize("overrides,field,words", [
-    (["grid.delayed_moment_sync=true"], "grid.delayed_moment_sync", "not supported"),
-])
-def test_torchft_configs_it_cannot_carry_fail_at_start(tmp_path, overrides, field, words):
-    with pytest.raises(ConfigError) as e:
-        _config(tmp_path, "train.fault_tolerance=torchft", *overrides)
-    assert str(e.value).startswith(f"{field}:") and words in str(e.value)
-    assert _config(tmp_path, *overrides).fault_tolerance == "restart"  # the default: what it can carry
-    assert _config(tmp_path, "train.fault_tolerance=torchft", "grid.min_world_size=4").min_groups == 2  # elastic
-
-
 # ---- the replica average itself: three real torchft managers (gloo) in threads, no Ray ---------------
-def _managers_average(n: int, make_tensors) -> list:
+def _managers(n: int, body) -> list:
     """`n` torchft managers joined in one quorum by a real lighthouse (each replica a thread with its
-    own TCPStore and gloo process group); each averages `make_tensors(i)` through the component's
-    `_average`. Returns each replica's averaged tensors."""
+    own TCPStore and gloo process group); each runs `body(i, component)` with the component over
+    its manager. Returns each replica's result."""
     import threading
     from datetime import timedelta
     from types import SimpleNamespace
@@ -359,11 +352,10 @@ def _managers_average(n: int, make_tensors) -> list:
                               lighthouse_addr=lighthouse.address())
             manager.start_quorum()
             # the component needs only the trainer's device and the live count from the quorum
-            reps = TorchftReplicas(SimpleNamespace(device=torch.device("cpu")), manager, heal=None, listener=None)
+            trainer = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(delayed_moment_sync=False))
+            reps = TorchftReplicas(trainer, manager, heal=None, listener=None)
             reps.live = manager.num_participants()
-            tensors = make_tensors(i)
-            reps._average(tensors)()
-            out[i] = tensors
+            out[i] = body(i, reps)
         except BaseException as e:  # noqa: BLE001 - raised below, with the replica named
             errors.append((i, e))
         finally:
@@ -392,12 +384,43 @@ def test_replica_average_keeps_identical_fp16_rows_bit_identical():
     def make(i):
         return [rows.clone(), torch.full((8,), float(i), dtype=torch.float32), rows[:100].to(torch.bfloat16)]
 
-    got = _managers_average(3, make)
+    def average(i, reps):
+        tensors = make(i)
+        reps._average(tensors)()
+        return tensors
+
+    got = _managers(3, average)
     for fp16, fp32, bf16 in got:
         changed = int((fp16 != rows).sum())
         assert changed == 0, f"{changed} of {rows.numel()} identical fp16 rows changed by the average"
         assert torch.equal(bf16, rows[:100].to(torch.bfloat16))
         assert torch.allclose(fp32, torch.full((8,), 1.0))  # (0 + 1 + 2) / 3
+
+
+def test_delayed_moment_sync_lands_each_average_one_sync_late():
+    """Delayed moment sync over 2 live replicas: the moments at a sync are averaged while the next
+    block trains, and land at the next sync as a correction, v += avg(v_then) - v_then (each
+    replica keeps what it added since); a round that does not commit drops the average in flight."""
+    import torch
+
+    def body(i, reps):
+        v = [torch.full((4,), float(i)), torch.full((2,), 10.0 * i)]
+        reps._delayed_moments(v)  # sync 1: launched, nothing lands yet
+        first = [x.clone() for x in v]
+        for x in v:
+            x.add_(1.0 + i)  # this replica's steps in the block
+        reps._delayed_moments(v)  # sync 2: sync 1's average lands
+        second = [x.clone() for x in v]
+        reps._moments = None  # what a round that does not commit does
+        reps._delayed_moments(v)  # sync 3: nothing lands
+        reps._moments[1]()  # the average launched at sync 3 lands before the manager goes
+        return first, second, [x.clone() for x in v]
+
+    (first0, second0, third0), (first1, second1, third1) = _managers(2, body)
+    assert torch.equal(first0[0], torch.zeros(4)) and torch.equal(first1[0], torch.ones(4))  # no correction at sync 1
+    assert torch.equal(second0[0], torch.full((4,), 0.5 + 1.0)) and torch.equal(second1[0], torch.full((4,), 0.5 + 2.0))
+    assert torch.equal(second0[1], torch.full((2,), 5.0 + 1.0)) and torch.equal(second1[1], torch.full((2,), 5.0 + 2.0))
+    assert torch.equal(third0[0], second0[0]) and torch.equal(third1[0], second1[0])
 
 
 def test_job_control_pins_each_groups_cursor_at_checkpoint_steps_and_rewinds_to_them():

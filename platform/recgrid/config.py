@@ -163,7 +163,7 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room; no delayed moment sync or tower models on this path. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0, none of what it cannot carry), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int | None = None
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path, else 0 (a job that can never restore takes none, and torchft heals from live peer groups, not from snapshots)."""
     checkpoint_every: int | None = None
@@ -374,9 +374,6 @@ class JobConfig:
                 raise ConfigError(f"train.resume_from: {t.resume_from} is not a storage checkpoint directory "
                                   f"(no .metadata in it)")
         _at_least("data.rows_per_unit", d.rows_per_unit, 1)
-        cannot = self.torchft_cannot_carry() if t.fault_tolerance == "torchft" else None
-        if cannot is not None:  # written out, torchft refuses what it cannot carry
-            raise ConfigError(f"{cannot[0]}: {cannot[1]}; or use train.fault_tolerance=restart")
 
         _positive("optim.lr", o.lr)
         _positive("optim.eps", o.eps)
@@ -440,18 +437,6 @@ class JobConfig:
             return None
         return Compression(threshold_rows=m.qr_threshold_rows, collisions=m.qr_collisions, operation=m.qr_operation,
                            head_rows=m.head_rows, head_coverage=m.head_coverage)
-
-    def torchft_cannot_carry(self) -> tuple[str, str] | None:
-        """What of this job train.fault_tolerance=torchft cannot carry with Ray 2.60 and torchft 0.2
-        (train/ft.py): (the field, why), or None."""
-        g, m = self.grid, self.model
-        if g.delayed_moment_sync:
-            return ("grid.delayed_moment_sync", "not supported with train.fault_tolerance=torchft (the replica sync "
-                    "goes through torchft's manager and commits with the step)")
-        if m.towers is not None:
-            return ("model.towers", "tower models are not supported with train.fault_tolerance=torchft (the DMT "
-                    "exchange is built over the whole grid, not one sharding group)")
-        return None
 
     # ---- derived values -------------------------------------------------------------------------
     @property
@@ -528,13 +513,12 @@ class JobConfig:
     @property
     def fault_tolerance(self) -> str:
         """`train.fault_tolerance`, or when null: "torchft" where it serves the job and keeps it faster
-        (CPU workers, M >= 2, failures survived at all, nothing it cannot carry: the other groups
-        train on through a failure instead of every worker restarting), else "restart"."""
+        (CPU workers, M >= 2, failures survived at all: the other groups train on through a failure
+        instead of every worker restarting), else "restart"."""
         t = self.train
         if t.fault_tolerance is not None:
             return t.fault_tolerance
-        serves = (not t.use_gpu and self.grid.num_groups >= 2 and t.max_failures > 0
-                  and self.torchft_cannot_carry() is None)
+        serves = not t.use_gpu and self.grid.num_groups >= 2 and t.max_failures > 0
         return "torchft" if serves else "restart"
 
     @property

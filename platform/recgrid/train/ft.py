@@ -44,7 +44,9 @@ path's, the component decides what differs:
      committed round's dense optimizer steps, its averaged tables land (`sync`) and the step
      count advances. A round that does not commit (a peer died inside it) is not a step: the
      next round takes the next batch under the same step number, after a quorum (a group left
-     behind by it heals there from a live peer).
+     behind by it heals there from a live peer). With delayed moment sync the sync averages the
+     weights only; the moments go into an average that overlaps the next block and lands at the
+     next committed sync (`_delayed_moments`).
   4. at logging steps the metric sums are reduced over the sharding group, then over the live
      groups (`reduce`), and a graceful stop is agreed as a maximum the same way (`agree_stop`),
      so every worker ends at the same step.
@@ -92,7 +94,8 @@ from typing import Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
-from recgrid.engine.sync import LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels, sync_step
+from recgrid.engine.sync import (LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels,
+                                 optimizer_states, sync_step)
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery import digest
 from recgrid.train.trainer import Replicas, Snapshot, Trainer
@@ -199,9 +202,14 @@ def make_manager(heal: "HealTransport", world: GroupWorld, device: Any, min_grou
                    checkpoint_transport=PGTransport(pg, timeout=timeout, device=device)), pg
 
 
-def kernel_digest(trainer: Trainer) -> str:
-    """Checksum of this worker's embedding weights and moments (equal iff bit for bit equal)."""
-    return digest([t.detach().cpu().numpy() for t in trainer.shard_tensors()])
+def kernel_digest(trainer: Trainer, replicated: bool = False) -> str:
+    """Checksum of this worker's embedding weights and moments (equal iff bit for bit equal);
+    `replicated`: of what every live sharding group holds alike right after a sync (the weights
+    only with delayed moment sync: the moments are each group's own between their averages)."""
+    shard = trainer.shard_tensors()
+    if replicated and trainer.config.delayed_moment_sync:
+        shard = shard[:trainer.weight_tensor_count()]
+    return digest([t.detach().cpu().numpy() for t in shard])
 
 
 def dense_digest(trainer: Trainer) -> str:
@@ -329,6 +337,9 @@ class TorchftReplicas(Replicas):
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
+        # delayed moment sync: the moments as they were at the last committed sync, and their average in flight
+        self.delayed = trainer.config.delayed_moment_sync
+        self._moments: "tuple[list[Any], _Average] | None" = None
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
 
     def start_round(self) -> str:
@@ -351,6 +362,8 @@ class TorchftReplicas(Replicas):
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
         live = self.manager.num_participants()
+        if live != self.live:  # the moment average in flight was launched over other groups: dropped
+            self._moments = None
         c = moment_scale_for(live, t.config.moment_scale)
         if c != self.moment_scale:  # the fused kernels' lr and eps carry c (engine.optimizer)
             t.embedding_optimizer = opt = t.config.embedding_optimizer(live)
@@ -396,7 +409,9 @@ class TorchftReplicas(Replicas):
         grads = self._average([p.grad for p in params]) if live > 1 else None
         ends_block = sync_step(step, t.config.sync_every)
         syncing = live > 1 and ends_block
-        tables = self._average([x.detach().clone() for x in t.shard_tensors()]) if syncing else None
+        # the tables: weights and moments, or with delayed moment sync the weights (the moments: `sync`)
+        shard = t.shard_tensors()[:t.weight_tensor_count()] if self.delayed else t.shard_tensors()
+        tables = self._average([x.detach().clone() for x in shard]) if syncing else None
         for job in (grads, tables):
             if job is not None:
                 job()
@@ -410,7 +425,8 @@ class TorchftReplicas(Replicas):
                 self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         self._meet_next = not committed
         self._tables = tables if committed else None
-        if not committed:
+        if not committed:  # a moment average in flight may have failed with the round: dropped on every group
+            self._moments = None
             err = self.manager.errored()
             why = str(getattr(err, "original_exception", err) or "the quorum did not agree").splitlines()[0][:200]
             self.listener.say(f"sharding group {self.heal.group}: the round for step {step} did not commit ({why}); "
@@ -424,13 +440,33 @@ class TorchftReplicas(Replicas):
         t0 = time.perf_counter()
         tables, self._tables = self._tables, None
         if tables is not None:
+            sent = sum(x.numel() * x.element_size() for x in tables.tensors)
             with torch.no_grad():
                 for dst, src in zip(self.trainer.shard_tensors(), tables.tensors):
                     dst.copy_(src)
+                if self.delayed:
+                    sent += self._delayed_moments(optimizer_states(self.trainer.model))
             self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + tables.seconds,
-                                                   bytes=sum(x.numel() * x.element_size() for x in tables.tensors)))
+                                                   bytes=sent))
         self.listener.committed(step, self.live or 1, tables is not None)
         return time.perf_counter() - t0
+
+    def _delayed_moments(self, states: list[Any]) -> int:
+        """Delayed moment sync at a committed sync (`engine.sync.ReplicaSync`'s rule, over the live
+        groups): the average launched at the last committed sync lands as a correction, v += avg(v_then)
+        - v_then, and the moments as they are now go into the next average, which overlaps the next
+        block's steps. An average is dropped, on every live group alike, when a round fails or the live
+        count changes before it lands (a rebuilt group heals from a peer's own moments: it has none in
+        flight); those K steps' moments then stay each group's own. `states`: the kernels' moments,
+        corrected in place. Returns the bytes sent."""
+        if self._moments is not None:
+            before, average = self._moments
+            average()
+            for v, then, avg in zip(states, before, average.tensors):
+                v.add_(avg - then)
+        now = [v.detach().clone() for v in states]
+        self._moments = (now, self._average([v.clone() for v in now]))
+        return sum(v.numel() * v.element_size() for v in now)
 
     @property
     def workers(self) -> int:

@@ -647,7 +647,7 @@ class GroupReport:
                 # notes its tables, which must then be the same on all of them (no collective: notes go
                 # to job control). Two, because a newcomer that heals in the round of a sync step may
                 # commit its first sync a round later than the groups that were live.
-                self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": kernel_digest(self.trainer),
+                self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": kernel_digest(self.trainer, replicated=True),
                                                                       f"live@{step}": live})
                 self.digests_left -= 1
 
@@ -677,7 +677,7 @@ class GroupReport:
         if self.report is not None:
             self._log_events(t.state.step)
         ray.get(self.control.note.remote(self.attempt, self.rank, {
-            "final_step": t.state.step, "final_digest": kernel_digest(t), "final_dense_digest": dense_digest(t),
+            "final_step": t.state.step, "final_digest": kernel_digest(t, replicated=True), "final_dense_digest": dense_digest(t),
             "heals": [dict(h) for h in self.heal.heals]}))
 
     # ---- events -----------------------------------------------------------------------------------------
