@@ -251,8 +251,8 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
 
 
 def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -> None:
-    """train.fault_tolerance null: torchft for CPU jobs of M >= 2 that survive failures, whatever
-    else they use (logged resolved); restart otherwise."""
+    """train.fault_tolerance null: torchft for CPU jobs that survive failures, whatever else they
+    use (logged resolved); restart otherwise."""
     base = ["data.train=data/train-*.tsv", "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5"]
 
     def path(*o: str) -> str:
@@ -263,7 +263,8 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
     assert load_config(None, base).train.fault_tolerance is None
     assert path("train.max_failures=2") == "torchft"
     assert path() == "restart"  # no failure survived: nothing to be faster at
-    assert path("train.max_failures=2", "grid.num_groups=1") == "restart"  # no peer group to heal from
+    assert path("train.max_failures=2", "grid.num_groups=1") == "torchft"  # restored from its node holders
+    assert path("train.max_failures=2", "train.use_gpu=true") == "restart"  # TorchRec's pipelined loop on GPUs
     assert path("train.max_failures=2", "grid.min_world_size=2") == "torchft"  # elastic by whole sharding groups
     assert path("train.max_failures=2", "grid.delayed_moment_sync=true") == "torchft"
     assert path("train.max_failures=2", "model.towers=2") == "torchft"  # DMT inside each sharding group's run
@@ -278,6 +279,7 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
     assert snapshots() == 0  # the demo: no failure survived, nothing restores
     assert snapshots("train.max_failures=2", "train.fault_tolerance=restart") == 1
     assert snapshots("train.max_failures=2") == 0  # torchft heals from live peer groups
+    assert snapshots("train.max_failures=2", "grid.num_groups=1") == 1  # ... but at M = 1 there is none
     assert snapshots("train.snapshot_every_syncs=3") == 3
     # torchft's quorum waits for grid.min_world_size / L live groups (one when null)
     assert load_config(None, [*base, "train.fault_tolerance=torchft", "grid.min_world_size=4"]).min_groups == 2

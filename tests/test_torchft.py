@@ -249,23 +249,25 @@ def test_no_row_is_skipped_and_only_uncommitted_batches_are_read_again(job):
 
 @pytest.fixture(scope="module")
 def lone_group_job(tmp_path_factory, shared_ray):
-    """T=2, M=1 (one sharding group of L=2) under torchft, storage checkpoints every 10 steps: a
-    worker is killed past the first one, so no live group is left to heal from."""
+    """T=4, M=1 (one sharding group of L=4; torchft by default), in-memory snapshots every K steps
+    and storage checkpoints every 10: a worker is killed past the first, so no live group is left
+    to heal from (issue 28, acceptance 7)."""
     tmp = tmp_path_factory.mktemp("torchft_storage")
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
     config = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=40000",
-        f"data.row_log={tmp}/rows", "grid.world_size=2", "grid.num_groups=1", f"grid.sync_every={K}",
+        f"data.row_log={tmp}/rows", "grid.world_size=4", "grid.num_groups=1", f"grid.sync_every={K}",
         "train.max_steps=100000", f"train.batch_size={B}", "train.log_every=5", "train.eval_every=0",
-        "train.checkpoint_every=10", "train.fault_tolerance=torchft", "train.max_failures=1",
+        "train.checkpoint_every=10", "train.max_failures=1",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft-storage"])
     seed = int(os.environ.get("RECGRID_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"\nchaos seed {seed} (replay: RECGRID_CHAOS_SEED={seed})")
     bg = BackgroundJob(config)
-    st = bg.wait_for(lambda s: len({r for r, w in workers_of(s).items() if w.get("ready")}) == 2 and s["last_step"] >= 33)
-    victim = random.Random(seed).randrange(2)
+    st = bg.wait_for(lambda s: len({r for r, w in workers_of(s).items() if w.get("ready")}) == 4 and s["last_step"] >= 33)
+    victim = random.Random(seed).randrange(4)
     pids = {r: w["pid"] for r, w in workers_of(st).items()}
     os.kill(pids[victim], signal.SIGKILL)
+    before = list(st["checkpoints"])  # the storage checkpoints written before the kill (at least)
     st = bg.wait_for(lambda s: len(_events(s)) == 1, timeout=240)
     event = _events(st)[0]
     bg.wait_for(lambda s: s["last_step"] >= event["failure_step"] + 10)
@@ -273,23 +275,27 @@ def lone_group_job(tmp_path_factory, shared_ray):
     bg.request_stop()
     result = bg.join()
     assert result.status == "FINISHED", result.error
-    print(f"storage fallback: {event.get('why')}; first step {event['seconds']:.1f} s after the failure was seen")
+    print(f"M = 1: {event.get('why')}; first step {event['seconds']:.1f} s after the failure was seen")
     return {"config": config, "result": result, "event": event, "pids": pids, "victim": victim, "tmp": tmp,
-            "written": written, "final": workers_of({"attempts": result.attempts})}
+            "written": written, "before": before, "final": workers_of({"attempts": result.attempts})}
 
 
-def test_no_live_group_left_restores_the_storage_checkpoint_the_live_group_wrote(lone_group_job):
-    """The lone group's checkpoints (every 10 steps, two kept) were written by it alone, without
-    Ray Train's report; after the kill the rebuilt group restored the newest, logged as the run's
-    one recovery (source storage, the steps trained again), and trained on to a FINISHED run."""
+def test_m1_group_restores_its_node_holders_snapshot_bit_for_bit(lone_group_job):
+    """After the kill the rebuilt group (its run restarted whole) restored the newest complete
+    in-memory snapshot from the node holders, every shard position bit for bit, no older than the
+    storage checkpoints; logged as the run's one recovery (source holder, the steps trained again),
+    and trained on to a FINISHED run. The group's checkpoints (every 10 steps, two kept) were
+    written by it alone, without Ray Train's report."""
     from recgrid.train.checkpoint import checkpoint_step, is_complete
 
     job = lone_group_job
     e = job["event"]
-    assert e["source"] == "storage" and e["step"] % 10 == 0 and e["step"] > 0
-    assert e["steps_lost"] == e["failure_step"] - e["step"] >= 0 and e["failure_step"] >= 30
-    assert checkpoint_step(e["detail"]) == e["step"]
-    assert job["final"][1 - job["victim"]]["pid"] != job["pids"][1 - job["victim"]]  # the group's run restarted whole
+    assert e["source"] == "holder" and e["step"] % K == 0 and e["step"] > 0 and e["bit_identical"]
+    assert sorted(x["shard"] for x in e["shards"]) == [0, 1, 2, 3]
+    assert all(x["digest"] == x["source_digest"] for x in e["shards"])
+    assert e["steps_lost"] == e["failure_step"] - e["step"] and 0 <= e["steps_lost"] <= 2 * K
+    assert e["failure_step"] >= 30 and e["step"] >= max(checkpoint_step(p) for p in job["before"])
+    assert all(job["final"][r]["pid"] != job["pids"][r] for r in range(4))  # the group's run restarted whole
     left = sorted(Path(job["tmp"], "runs").rglob("checkpoint_step_*"))
     assert len(left) == 2 and all(is_complete(str(p)) for p in left), left  # the two newest kept
     steps = [checkpoint_step(str(p)) for p in left]
@@ -297,19 +303,19 @@ def test_no_live_group_left_restores_the_storage_checkpoint_the_live_group_wrote
     client = mlflow_client(job["config"])
     (run,) = client.search_runs([client.get_experiment_by_name("test-torchft-storage").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["train.fault_tolerance"] == "torchft"
-    assert run.data.metrics["recovery/count"] == 1 and run.data.tags["recovery/source/1"] == "storage"
+    assert run.data.metrics["recovery/count"] == 1 and run.data.tags["recovery/source/1"] == "holder"
     assert run.data.metrics["recovery/steps_lost"] == e["steps_lost"]
     for key in run.data.metrics:  # steps trained again are not logged again
         steps_logged = [x.step for x in client.get_metric_history(run.info.run_id, key)]
         assert len(steps_logged) == len(set(steps_logged)), key
 
 
-def test_a_storage_restore_reads_the_rows_after_the_checkpoint_again_and_skips_none(lone_group_job):
+def test_a_restore_reads_the_rows_after_the_restored_step_again_and_skips_none(lone_group_job):
     """Each rank's batches, in the order trained: its part of the epoch plan up to the kill, then
-    again from where its cursor stood at the restored checkpoint's step."""
+    again from where its cursor stood at the restored snapshot's step."""
     from recgrid.train.worker import read_row_logs
 
-    job, n = lone_group_job, 2
+    job, n = lone_group_job, 4
     config, e = job["config"], job["event"]
     logs = read_row_logs(str(job["tmp"] / "rows"))
     for rank in range(n):

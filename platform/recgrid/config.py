@@ -163,9 +163,9 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; the storage checkpoint when no live group is left (M = 1, or every group lost); a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for the jobs it serves and keeps faster (CPU workers, M >= 2, train.max_failures > 0), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; with no live group left, the node holders' in-memory snapshot (M = 1), else the storage checkpoint (every group lost), else train.resume_from; a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for the jobs it serves (CPU workers, train.max_failures > 0; at M = 1 the group restores from its node holders), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int | None = None
-    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path, else 0 (a job that can never restore takes none, and torchft heals from live peer groups, not from snapshots)."""
+    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path or under torchft with M = 1, else 0 (a job that can never restore takes none, and torchft with M >= 2 heals from live peer groups, not from snapshots; it takes them only at M = 1)."""
     checkpoint_every: int | None = None
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. With train.fault_tolerance=torchft the live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
     storage_path: str | None = None
@@ -504,21 +504,24 @@ class JobConfig:
     @property
     def snapshot_every_syncs(self) -> int:
         """Replica syncs between in-memory snapshots: `train.snapshot_every_syncs`, or when null 1
-        where a snapshot can ever be read (failures survived on the restart path), else 0."""
+        where a snapshot can ever be read (failures survived, on the restart path or, under torchft,
+        with M = 1: no live peer group can serve), else 0."""
         t = self.train
         if t.snapshot_every_syncs is not None:
             return t.snapshot_every_syncs
-        return 1 if t.max_failures > 0 and self.fault_tolerance == "restart" else 0
+        no_peer = self.fault_tolerance == "restart" or self.grid.num_groups == 1
+        return 1 if t.max_failures > 0 and no_peer else 0
 
     @property
     def fault_tolerance(self) -> str:
-        """`train.fault_tolerance`, or when null: "torchft" where it serves the job and keeps it faster
-        (CPU workers, M >= 2, failures survived at all: the other groups train on through a failure
-        instead of every worker restarting), else "restart"."""
+        """`train.fault_tolerance`, or when null: "torchft" where it serves the job (CPU workers,
+        failures survived at all: with M >= 2 the other groups train on through a failure instead
+        of every worker restarting; with M = 1 the group restores from its node holders), else
+        "restart"."""
         t = self.train
         if t.fault_tolerance is not None:
             return t.fault_tolerance
-        serves = not t.use_gpu and self.grid.num_groups >= 2 and t.max_failures > 0
+        serves = not t.use_gpu and t.max_failures > 0
         return "torchft" if serves else "restart"
 
     @property

@@ -451,8 +451,10 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
             f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
             + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
-            + (", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
-               "is restarted and healed from a live peer group" if torchft else ""))
+            + ((", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
+                "is restarted and healed from a live peer group" if grid.num_groups > 1 else
+                ", torchft: the sharding group is a Ray Train run, restarted on a failure and restored from its "
+                "in-memory snapshots on the node holders") if torchft else ""))
         # torchft: the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
         owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote() if torchft else None
         fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) if owner is not None else tr.fit

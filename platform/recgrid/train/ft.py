@@ -71,6 +71,10 @@ and every group's data cursor goes back to where it stood at that step (job cont
 `JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without one
 it reads `train.resume_from` (another job's checkpoint, with the data cursor it holds), as every
 group does at the job's start; without either the job starts again from step 0, and says so.
+At M = 1 (no peer group, ever) the group also hands its nodes' holders an in-memory snapshot every
+K steps (`train.recovery.Snapshotter`, `train.snapshot_every_syncs`), and a rebuilt group restores
+the newest complete one, checked bit for bit, when it is at least as new as the newest storage
+checkpoint (`StorageFallback`, source `holder`).
 
 Elasticity and drains: a group leaves and the others train on (c from the live count); a group
 whose run had no room joins when it gets some, healed like a rebuilt one. When Ray Train says a
@@ -258,9 +262,12 @@ class StorageFallback:
     `resume_from` (`train.resume_from`: another job's checkpoint, at any M and L), else nothing."""
 
     def __init__(self, checkpointer: Any, control: Any, coordinator: Any, group: int, shard: int,
-                 resume_from: str | None = None) -> None:
+                 resume_from: str | None = None, holders: Any = None) -> None:
         self.checkpointer, self.control, self.coordinator = checkpointer, control, coordinator
         self.group, self.shard, self.resume_from = group, shard, resume_from
+        # M = 1: the group's in-memory snapshots on its nodes' holders (`train.recovery.Recovery` over the
+        # group's grid), read before the storage checkpoint when they are at least as new; None: no snapshots
+        self.holders = holders
         checkpointer.after_save = self.written
 
     def maybe_save(self, step: int, writes: bool) -> None:
@@ -291,10 +298,13 @@ class StorageFallback:
         import ray
         import torch.distributed as dist
 
-        box = [ray.get(self.coordinator.latest_checkpoint.remote()) if self.shard == 0 else None]
+        box = [self._choose() if self.shard == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
-        path, source = box[0], "storage"
+        path, plan = box[0]
+        if plan is not None:
+            return self._from_holders(trainer, plan)
+        source = "storage"
         if path is None:
             if not self.resume_from:
                 return None
@@ -306,6 +316,44 @@ class StorageFallback:
             trainer.state.cursor.load_state_dict(cursor if cursor is not None
                                                  else type(trainer.state.cursor)().state_dict())
         return {"source": source, "path": path, "step": step, "load_s": time.time() - t0, "at": time.time()}
+
+    def _choose(self) -> tuple[str | None, dict[str, Any] | None]:
+        """Shard rank 0's pick: (the newest storage checkpoint, the holders' plan when their newest
+        complete snapshot is at least as new, else None)."""
+        import ray
+
+        from recgrid.train.checkpoint import checkpoint_step
+
+        path = ray.get(self.coordinator.latest_checkpoint.remote())
+        if self.holders is None:
+            return path, None
+        grid = self.holders.grid
+        plan = ray.get(self.coordinator.restore_plan.remote(grid.group_size, grid.num_groups))
+        if plan["step"] is None or (path is not None and plan["step"] < (checkpoint_step(path) or 0)):
+            return path, None
+        return path, plan
+
+    def _from_holders(self, trainer: Trainer, plan: dict[str, Any]) -> dict[str, Any]:
+        """Load the holders' snapshot of `plan` (every worker its own shard position, this node's
+        holder first), check it bit for bit against the checksums the copies arrived with, and
+        forget newer, incomplete generations (collective over the sharding group)."""
+        import ray
+        import torch.distributed as dist
+
+        t0 = time.time()
+        fetched = self.holders.restore_from_holders(trainer, plan)
+        mine = self.holders.verify_restored(trainer, plan["step"], fetched)  # raises unless bit for bit
+        shards: list[Any] = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shards = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, mine)
+        if self.shard == 0:
+            ray.get(self.coordinator.drop_after.remote(plan["step"]))
+        nodes = len({n for ns in plan["where"].values() for n in ns})
+        return {"source": "holder", "path": "", "step": trainer.state.step, "load_s": time.time() - t0,
+                "at": time.time(), "shards": shards,
+                "detail": f"{len(shards)} shard position(s) from the holders of {nodes} node(s), "
+                          f"{sum(s['same_node'] for s in shards)} from the worker's own node"}
 
 
 class GroupListener(Protocol):
@@ -393,10 +441,11 @@ class TorchftReplicas(Replicas):
         self.heal.restored = restored
         self.heal.unseen_heal = True  # the state and the data cursor changed: the loop reloads
         if self.fallback.shard == 0:
-            what = ("restored the storage checkpoint" if restored["source"] == "storage"
-                    else "no storage checkpoint of this job; resumed from train.resume_from, the checkpoint")
-            self.listener.say(f"sharding group {self.heal.group}: no live group ahead; {what} of step "
-                              f"{restored['step']} ({restored['path']})")
+            what = {"holder": "restored, bit for bit, the in-memory snapshot on the node holders",
+                    "storage": "restored the storage checkpoint",
+                    "resume": "no storage checkpoint of this job; resumed from train.resume_from, the checkpoint"}
+            self.listener.say(f"sharding group {self.heal.group}: no live group ahead; {what[restored['source']]} "
+                              f"of step {restored['step']} ({restored['path'] or restored['detail']})")
 
     def commit(self, step: int) -> bool:
         import torch

@@ -48,7 +48,7 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `recovery/count` | restores so far (from in-memory copies or a storage checkpoint), logged at the first step after each |
 | `recovery/seconds` | seconds from the failure being detected (or the worker group being resized) to the first step after the restore |
 | `recovery/steps_lost` | steps trained before the failure that the restore rolled back (at most K with snapshots at every sync) |
-| tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per restore: `peer` or `storage`, the sentence the log printed, and where the shards or the checkpoint came from |
+| tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per restore: `peer` (a live peer group's copy; on the restart path, in-memory copies on the node holders), `holder` (torchft, M = 1: the group's own snapshot on the node holders), `storage`, `resume` (`train.resume_from`) or `fresh` (step 0), the sentence the log printed, and where the shards or the checkpoint came from |
 | `recovery/survivors_qps`, `recovery/survivors_qps_before`, `recovery/survivors_steps` | torchft: the QPS of the sharding groups that kept training while the failed group was rebuilt, their QPS over as long a span before the failure, and the steps they took meanwhile |
 | tag `recovery/kept_training/<n>` | torchft: the sharding groups that kept training through recovery n |
 

@@ -920,7 +920,7 @@ class Recovery(_WorkerSide):
         detail = ""
         fetched: dict[str, Any] = {}
         if d["source"] == "peer":
-            fetched = self._restore_from_holders(trainer, d["plan"])
+            fetched = self.restore_from_holders(trainer, d["plan"])
         elif d["source"] in ("storage", "resume"):
             assert checkpointer is not None
             checkpointer.load(trainer, d["path"])
@@ -941,7 +941,7 @@ class Recovery(_WorkerSide):
         }
         if d["source"] == "peer":
             t1 = time.time()
-            mine = self._verify(trainer, d["plan"]["step"], fetched)
+            mine = self.verify_restored(trainer, d["plan"]["step"], fetched)
             shards: list[Any] = [None] * self.grid.world_size
             dist.all_gather_object(shards, mine, group=self.groups.global_pg)
             event.update(shards=shards, verify_s=time.time() - t1)
@@ -1014,7 +1014,7 @@ class Recovery(_WorkerSide):
             return {"source": "resume", "path": resume_from, "why": f"resuming from the checkpoint {resume_from}"}
         return {"source": "fresh"}
 
-    def _restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, Any]:
+    def restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, Any]:
         """Fetch this worker's shard position (with delayed moment sync: its weights, and this
         sharding group's own moments: `compose_shard`), the dense part and the progress from the
         holders (this node's first) and load them. Returns where the shard came from."""
@@ -1059,7 +1059,7 @@ class Recovery(_WorkerSide):
                        moments_via=via[moments_key])
         return out
 
-    def _verify(self, trainer: "Trainer", step: int, fetched: dict[str, Any]) -> dict[str, Any]:
+    def verify_restored(self, trainer: "Trainer", step: int, fetched: dict[str, Any]) -> dict[str, Any]:
         """This worker's restored shard checksum beside the one the holder's copy was written with:
         bit for bit or an error.
         With delayed moment sync, two checks: the weights against the position copy, and both the

@@ -264,9 +264,11 @@ def train_group_worker(cfg: dict) -> None:
     control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s})
     if not replacement:
         _wait_for_peers(control, job.start_groups * L)
+    # M = 1: in-memory snapshots on the nodes' holders, read first when the group is rebuilt (no peer can serve)
+    snapshotter, holders = _group_snapshots(job, trainer, attempt, T // L)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
     fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
-                                            trainer=trainer), control, job.recovery, g, s, job.resume_from)
+                                            trainer=trainer), control, job.recovery, g, s, job.resume_from, holders)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
                                                   drain_notice=ray.train.get_preemption_info)
 
@@ -278,8 +280,9 @@ def train_group_worker(cfg: dict) -> None:
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
 
+    after_step = [note_progress, checkpoint, report.step] + ([snapshotter.maybe_snapshot] if snapshotter else [])
     hooks = FitHooks(on_log=report.log, on_batch=rows.on_batch if rows else None,
-                     after_step=[note_progress, checkpoint, report.step], stop_requested=StopPoll(control))
+                     after_step=after_step, stop_requested=StopPoll(control))
     try:
         trainer.fit(data, job.loop, eval_data, hooks)
     except BaseException as e:
@@ -289,15 +292,38 @@ def train_group_worker(cfg: dict) -> None:
         replica_pg.abort()
         manager.shutdown(wait=False)
         seen = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        control.say.remote(f"[recgrid] sharding group {g}: shard rank {s} stopped ({seen}); "
-                           f"Ray Train restarts the group, which heals from a live peer group")
+        control.say.remote(f"[recgrid] sharding group {g}: shard rank {s} stopped ({seen}); Ray Train restarts the "
+                           + ("group, which heals from a live peer group" if T > L else
+                              "group, which restores from its node holders"))
         raise
+    if snapshotter is not None:
+        snapshotter.close()
     if replicas.left is not None:
         _leave_at_drain(job, trainer, replicas, fallback, manager, g, s, L)
         return
     manager.shutdown(wait=False)
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
+
+
+def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
+    """Under torchft with M = 1 and `train.snapshot_every_syncs` > 0: this worker's snapshotter
+    (every that many blocks of K steps, its shard position to its node's holder) and the holders'
+    side of a restore (`train.recovery.Recovery` over the group's grid), else (None, None).
+    Collective over the sharding group (its workers' nodes)."""
+    import ray
+    import torch.distributed as dist
+
+    from recgrid.train.recovery import Recovery, Snapshotter
+
+    if num_groups != 1 or not job.snapshot_every_syncs:
+        return None, None
+    grid, groups = trainer.grid, trainer.groups
+    nodes: list[Any] = [None] * grid.world_size
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    say = (lambda msg: job.control.say.remote(f"[recgrid] {msg}"))
+    return (Snapshotter(trainer, job.recovery, grid, groups, nodes, attempt, job.snapshot_every_syncs, say=say),
+            Recovery(job.recovery, job.control, grid, groups, nodes, attempt))
 
 
 def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: Any, manager: Any, g: int, s: int,
@@ -714,6 +740,15 @@ class GroupReport:
                      "why": f"no live sharding group ahead of step 0 and no storage checkpoint of this job: "
                             f"resumed from train.resume_from, the checkpoint of step {restored['step']}",
                      "detail": restored["path"]}
+            t_heal = restored["at"]
+        elif restored is not None and restored["source"] == "holder":  # M = 1: the node holders' snapshot
+            steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
+            shards = restored["shards"]
+            event = {"source": "holder", "step": restored["step"], "restore_s": restored["load_s"],
+                     "shards": shards, "bit_identical": all(x["digest"] == x["source_digest"] for x in shards),
+                     "why": f"no live sharding group ahead of step 0: the in-memory snapshot of step {restored['step']} "
+                            f"restored from the node holders, bit for bit ({steps_lost} steps trained again)",
+                     "detail": restored["detail"]}
             t_heal = restored["at"]
         elif restored is not None:  # the group's commits after the checkpoint are trained again
             steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
