@@ -1,7 +1,7 @@
 """`recgrid simulate`: full model parallelism against 2-D at 256 to 4096 GPUs for the 1.7 TB model
 datasets/ctr_like_1.7tb.yaml (the paper's Table 2 setting: sharding groups of 256 GPUs, batch 1152
 per GPU), its JSON, its errors. The simulation prices ten configurations with TorchRec's planner
-(about 20 s of CPU)."""
+(about 90 s of one core on the 2-core development machine: the suite's largest fixture without Ray)."""
 
 import json
 import subprocess

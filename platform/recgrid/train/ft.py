@@ -458,9 +458,7 @@ class TorchftReplicas(Replicas):
         grads = self._average([p.grad for p in params]) if live > 1 else None
         ends_block = sync_step(step, t.config.sync_every)
         syncing = live > 1 and ends_block
-        # the tables: weights and moments, or with delayed moment sync the weights (the moments: `sync`)
-        shard = t.shard_tensors()[:t.weight_tensor_count()] if self.delayed else t.shard_tensors()
-        tables = self._average([x.detach().clone() for x in shard]) if syncing else None
+        tables = self._average([x.detach().clone() for x in self._replicated()]) if syncing else None
         for job in (grads, tables):
             if job is not None:
                 job()
@@ -499,6 +497,12 @@ class TorchftReplicas(Replicas):
                                                    bytes=sent))
         self.listener.committed(step, self.live or 1, tables is not None)
         return time.perf_counter() - t0
+
+    def _replicated(self) -> list[Any]:
+        """What a sync averages now: the weights and moments, or with delayed moment sync the
+        weights (the moments: `_delayed_moments`). Views of the kernels' storage."""
+        t = self.trainer
+        return t.shard_tensors()[:t.weight_tensor_count()] if self.delayed else t.shard_tensors()
 
     def _delayed_moments(self, states: list[Any]) -> int:
         """Delayed moment sync at a committed sync (`engine.sync.ReplicaSync`'s rule, over the live
