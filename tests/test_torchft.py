@@ -358,8 +358,7 @@ def _managers(n: int, body) -> list:
                               lighthouse_addr=lighthouse.address())
             manager.start_quorum()
             # the component needs only the trainer's device and the live count from the quorum
-            trainer = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(delayed_moment_sync=False))
-            reps = TorchftReplicas(trainer, manager, heal=None, listener=None)
+            reps = TorchftReplicas(SimpleNamespace(device=torch.device("cpu")), manager, heal=None, listener=None)
             reps.live = manager.num_participants()
             out[i] = body(i, reps)
         except BaseException as e:  # noqa: BLE001 - raised below, with the replica named

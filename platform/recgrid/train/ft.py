@@ -206,13 +206,19 @@ def make_manager(heal: "HealTransport", world: GroupWorld, device: Any, min_grou
                    checkpoint_transport=PGTransport(pg, timeout=timeout, device=device)), pg
 
 
+def replicated_tensors(trainer: Trainer) -> list[Any]:
+    """What every live sharding group holds alike right after a sync, and a sync averages then:
+    the embedding weights and moments, or with delayed moment sync the weights only (the moments
+    are each group's own between their averages: `TorchftReplicas._delayed_moments`). Views of
+    the kernels' storage."""
+    shard = trainer.shard_tensors()
+    return shard[:trainer.weight_tensor_count()] if trainer.config.delayed_moment_sync else shard
+
+
 def kernel_digest(trainer: Trainer, replicated: bool = False) -> str:
     """Checksum of this worker's embedding weights and moments (equal iff bit for bit equal);
-    `replicated`: of what every live sharding group holds alike right after a sync (the weights
-    only with delayed moment sync: the moments are each group's own between their averages)."""
-    shard = trainer.shard_tensors()
-    if replicated and trainer.config.delayed_moment_sync:
-        shard = shard[:trainer.weight_tensor_count()]
+    `replicated`: of `replicated_tensors` only."""
+    shard = replicated_tensors(trainer) if replicated else trainer.shard_tensors()
     return digest([t.detach().cpu().numpy() for t in shard])
 
 
@@ -386,7 +392,6 @@ class TorchftReplicas(Replicas):
         self.moment_scale: float | None = None
         self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
         # delayed moment sync: the moments as they were at the last committed sync, and their average in flight
-        self.delayed = trainer.config.delayed_moment_sync
         self._moments: "tuple[list[Any], _Average] | None" = None
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
 
@@ -458,7 +463,7 @@ class TorchftReplicas(Replicas):
         grads = self._average([p.grad for p in params]) if live > 1 else None
         ends_block = sync_step(step, t.config.sync_every)
         syncing = live > 1 and ends_block
-        tables = self._average([x.detach().clone() for x in self._replicated()]) if syncing else None
+        tables = self._average([x.detach().clone() for x in replicated_tensors(t)]) if syncing else None
         for job in (grads, tables):
             if job is not None:
                 job()
@@ -489,20 +494,14 @@ class TorchftReplicas(Replicas):
         if tables is not None:
             sent = sum(x.numel() * x.element_size() for x in tables.tensors)
             with torch.no_grad():
-                for dst, src in zip(self.trainer.shard_tensors(), tables.tensors):
+                for dst, src in zip(replicated_tensors(self.trainer), tables.tensors):
                     dst.copy_(src)
-                if self.delayed:
+                if self.trainer.config.delayed_moment_sync:
                     sent += self._delayed_moments(optimizer_states(self.trainer.model))
             self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + tables.seconds,
                                                    bytes=sent))
         self.listener.committed(step, self.live or 1, tables is not None)
         return time.perf_counter() - t0
-
-    def _replicated(self) -> list[Any]:
-        """What a sync averages now: the weights and moments, or with delayed moment sync the
-        weights (the moments: `_delayed_moments`). Views of the kernels' storage."""
-        t = self.trainer
-        return t.shard_tensors()[:t.weight_tensor_count()] if self.delayed else t.shard_tensors()
 
     def _delayed_moments(self, states: list[Any]) -> int:
         """Delayed moment sync at a committed sync (`engine.sync.ReplicaSync`'s rule, over the live

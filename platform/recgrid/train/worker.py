@@ -673,8 +673,8 @@ class GroupReport:
                 # notes its tables, which must then be the same on all of them (no collective: notes go
                 # to job control). Two, because a newcomer that heals in the round of a sync step may
                 # commit its first sync a round later than the groups that were live.
-                self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": kernel_digest(self.trainer, replicated=True),
-                                                                      f"live@{step}": live})
+                digest = kernel_digest(self.trainer, replicated=True)
+                self.control.note.remote(self.attempt, self.rank, {f"digest@{step}": digest, f"live@{step}": live})
                 self.digests_left -= 1
 
     def say(self, msg: str) -> None:
@@ -703,7 +703,8 @@ class GroupReport:
         if self.report is not None:
             self._log_events(t.state.step)
         ray.get(self.control.note.remote(self.attempt, self.rank, {
-            "final_step": t.state.step, "final_digest": kernel_digest(t, replicated=True), "final_dense_digest": dense_digest(t),
+            "final_step": t.state.step, "final_digest": kernel_digest(t, replicated=True),
+            "final_dense_digest": dense_digest(t),
             "heals": [dict(h) for h in self.heal.heals]}))
 
     # ---- events -----------------------------------------------------------------------------------------
@@ -714,67 +715,59 @@ class GroupReport:
         import ray
 
         heal, restored = self.heal.heals[-1] if self.heal.heals else None, self.heal.restored
-        if self.shard != 0:
-            return
-        if not self.replacement:
-            # the job's start: only a resume is an event, recorded once (by the group that logs)
-            if restored is not None and restored["source"] == "resume" and self.report is not None:
-                now = time.time()
-                ray.get(self.coordinator.record.remote({
-                    "source": "resume", "step": restored["step"], "restore_s": restored["load_s"],
-                    "detail": restored["path"], "why": f"resuming from the checkpoint {restored['path']} (step "
-                                                       f"{restored['step']}; train.resume_from)",
-                    "attempt": self.attempt, "sharding_group": self.group, "pid": os.getpid(), "steps_lost": 0,
-                    "at_start": True,
-                    "t_failure_detected": self.attempt_info["start"], "t_attempt_start": self.attempt_info["start"],
-                    "t_heal": restored["at"], "t_first_step": now, "seconds": now - self.attempt_info["start"],
-                    "num_groups": self.live, "world_size": (self.live or 1) * self.job.group_size}))
+        at_start = not self.replacement
+        # at the job's start only a resume is an event, recorded once (by the group that logs)
+        resumed_here = restored is not None and restored["source"] == "resume" and self.report is not None
+        if self.shard != 0 or (at_start and not resumed_here):
             return
         now = time.time()
-        detected = self._failure_seen()
-        t_heal = heal["at"] if heal else None
-        steps_lost = 0
-        if restored is not None and restored["source"] == "resume":  # every group lost, no storage checkpoint
-            steps_lost = self.before.get("step") or 0
-            event = {"source": "resume", "step": restored["step"], "restore_s": restored["load_s"],
-                     "why": f"no live sharding group ahead of step 0 and no storage checkpoint of this job: "
-                            f"resumed from train.resume_from, the checkpoint of step {restored['step']}",
-                     "detail": restored["path"]}
-            t_heal = restored["at"]
-        elif restored is not None and restored["source"] == "holder":  # M = 1: the node holders' snapshot
-            steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
-            shards = restored["shards"]
-            event = {"source": "holder", "step": restored["step"], "restore_s": restored["load_s"],
-                     "shards": shards, "bit_identical": all(x["digest"] == x["source_digest"] for x in shards),
-                     "why": f"no live sharding group ahead of step 0: the in-memory snapshot of step {restored['step']} "
-                            f"restored from the node holders, bit for bit ({steps_lost} steps trained again)",
-                     "detail": restored["detail"]}
-            t_heal = restored["at"]
-        elif restored is not None:  # the group's commits after the checkpoint are trained again
-            steps_lost = max(0, (self.before.get("step") or 0) - restored["step"])
-            event = {"source": "storage", "step": restored["step"], "restore_s": restored["load_s"],
-                     "why": f"no live sharding group ahead of step 0: the storage checkpoint of step "
-                            f"{restored['step']} restored, every group's data cursor set back there ({steps_lost} "
-                            f"steps trained again)", "detail": restored["path"]}
-            t_heal = restored["at"]
+        detected = self.attempt_info["start"] if at_start else self._failure_seen()
+        before = self.before.get("step") or 0  # the group's last commit before it failed (none at the start)
+        if restored is not None:  # nobody ahead of step 0: the holders' snapshot, a storage checkpoint or resume_from
+            event = self._restored_event(restored, before, at_start)
         elif heal is None or heal["step"] == 0:
-            steps_lost = self.before.get("step") or 0
-            event = {"source": "fresh", "step": 0, "why": "no live sharding group ahead of this one and no storage "
-                                                          "checkpoint written yet: training starts again from step 0"}
+            event = {"source": "fresh", "step": 0, "steps_lost": before,
+                     "why": "no live sharding group ahead of this one and no storage checkpoint written yet: "
+                            "training starts again from step 0"}
         else:
-            event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"],
+            event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"], "steps_lost": 0,
                      "digest": heal["digest"], "source_digest": heal["source_digest"],
                      "bit_identical": heal["digest"] == heal["source_digest"], "restore_s": heal["load_s"],
                      "why": f"sharding group {self.group} rebuilt; healed from live group {heal['from']} over "
                             f"torchft's PGTransport (no storage read; the other groups kept training)",
                      "detail": f"group {self.group} from group {heal['from']}"}
-        event.update(self._survivors(detected, now))
+        if at_start:
+            event["at_start"] = True
+        else:
+            event.update(self._survivors(detected, now))
         event.update(attempt=self.attempt, sharding_group=self.group, pid=os.getpid(),
-                     failure_step=self.before.get("step"), steps_lost=steps_lost,
-                     t_failure_detected=detected, t_attempt_start=self.attempt_info["start"],
-                     t_heal=t_heal, t_first_step=now, seconds=now - detected,
+                     failure_step=self.before.get("step"), t_failure_detected=detected,
+                     t_attempt_start=self.attempt_info["start"],
+                     t_heal=restored["at"] if restored is not None else heal["at"] if heal else None,
+                     t_first_step=now, seconds=now - detected,
                      num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
         ray.get(self.coordinator.record.remote(event))
+
+    @staticmethod
+    def _restored_event(restored: dict[str, Any], before: int, at_start: bool) -> dict[str, Any]:
+        """The event of a group that found nobody ahead of step 0 and loaded `restored`
+        (`StorageFallback.restore`); `before`: its last committed step before it failed."""
+        source, step = restored["source"], restored["step"]
+        lost = before if source == "resume" else max(0, before - step)  # the group's commits trained again
+        why = {"holder": f": the in-memory snapshot of step {step} restored from the node holders, bit for bit "
+                         f"({lost} steps trained again)",
+               "storage": f": the storage checkpoint of step {step} restored, every group's data cursor set back "
+                          f"there ({lost} steps trained again)",
+               "resume": f" and no storage checkpoint of this job: resumed from train.resume_from, the checkpoint "
+                         f"of step {step}"}[source]
+        event = {"source": source, "step": step, "restore_s": restored["load_s"], "steps_lost": lost,
+                 "detail": restored["path"] or restored["detail"],
+                 "why": (f"resuming from the checkpoint {restored['path']} (step {step}; train.resume_from)"
+                         if at_start else f"no live sharding group ahead of step 0{why}")}
+        if source == "holder":
+            event.update(shards=restored["shards"],
+                         bit_identical=all(x["digest"] == x["source_digest"] for x in restored["shards"]))
+        return event
 
     def _failure_seen(self) -> float:
         """When this group's failure was first seen: by this worker (a group-mate rebuilt in place: when
