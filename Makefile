@@ -34,8 +34,9 @@ $(STAMP): requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/l
 lock: install
 	$(BIN)/python requirements/lock.py
 
+# two pytest-xdist workers: the modules that start Ray on one, the rest beside them (tests/conftest.py)
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/recgrid train jobs/local_demo.yaml
