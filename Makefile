@@ -36,7 +36,7 @@ lock: install
 
 # two pytest-xdist workers: the modules that start Ray on one, the rest beside them (tests/conftest.py)
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/recgrid train jobs/local_demo.yaml

@@ -23,19 +23,32 @@ _EXIT = {"status": 0}
 SHARED_CLUSTER_MODULES = ("test_compare.py", "test_data_prepare.py", "test_data_streams.py",
                           "test_launcher.py", "test_torchft.py")
 # Every module that starts Ray (the shared cluster, clusters of nodes of its own, `ray start`, a metrics
-# session). `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): these modules
-# all on one, one after another in the order above, the Ray jobs' long critical path; every other
-# module, whole, on the other one beside them (the planner, the simulator, the engine over gloo, the
-# manifests: mostly one core's work, which left the second core idle while they ran alone).
+# session). `make test` runs the suite on two pytest-xdist workers: these modules all on one, one after
+# another in the order above (the Ray jobs: the suite's long critical path, two clusters at once would
+# starve both), and every other module, whole, on the other one beside them (the planner, the
+# simulator, the engine over gloo, the manifests: mostly one core's work, which left the second core
+# idle while they ran alone). `pytest_xdist_make_scheduler` below makes those work units.
 RAY_MODULES = SHARED_CLUSTER_MODULES + ("test_dashboard.py", "test_interrupt.py", "test_recovery_nodes.py",
                                         "test_submit.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names each test's group in its node id
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     items.sort(key=lambda item: item.path.name in SHARED_CLUSTER_MODULES)  # stable: the order within stays
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_MODULES else item.path.name))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's scope scheduling with the scopes above: "ray" for every RAY_MODULES test, the
+    module otherwise (its fixtures built once). The largest scope, "ray", goes to a worker first.
+    (`--dist loadgroup` would need the group in each test's node id, which pytest-xdist 3.8 can no
+    longer write under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return "ray" if module in RAY_MODULES else module
+
+    return RayApart(config, log)
 
 
 @pytest.fixture(scope="session")
