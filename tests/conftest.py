@@ -38,7 +38,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """pytest-xdist's scope scheduling with the scopes above: "ray" for every RAY_MODULES test, the
-    module otherwise (its fixtures built once). The largest scope, "ray", goes to a worker first.
+    module otherwise (its fixtures built once). pytest-xdist hands each worker one unit at the start,
+    the units with most tests first: "ray" (93 tests) is second to test_k8s.py (109), so it starts at
+    once on the other worker; it would wait only if two other modules outgrew it.
     (`--dist loadgroup` would need the group in each test's node id, which pytest-xdist 3.8 can no
     longer write under pytest 9.)"""
     from xdist.scheduler import LoadScopeScheduling
