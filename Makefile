@@ -7,7 +7,9 @@ STAMP  := $(VENV)/.installed
 ACCEL  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 # PyTorch's wheel index for this ACCEL: the torch step reads it alone (no second index)
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(if $(filter cuda,$(ACCEL)),cu128,cpu)
-PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q --no-compile
+# uv (requirements/tools.txt, installed by pip) for the PyPI steps: parallel downloads and unpacking
+UV     := $(BIN)/uv pip install -q --python $(BIN)/python
 # every file whose pins carry hashes installs in hash-checking mode: a file that changed on an index
 # (or a dependency nobody pinned) fails the install. torch-cuda.txt has none yet (requirements/README.md).
 HASHES  = $(if $(shell grep -l -- '--hash=sha256:' $(1) 2>/dev/null),--require-hashes)
@@ -16,15 +18,18 @@ PYTEST_ARGS ?=
 .PHONY: install test demo bench smoke clean lock
 install: $(STAMP)
 
-$(STAMP): requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml
+$(STAMP): requirements/tools.txt requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) --require-hashes --no-deps -r requirements/tools.txt
 	@echo "[install] torch ($(ACCEL), from $(TORCH_INDEX_URL)) ..."
 	$(PIP) $(call HASHES,requirements/torch-$(ACCEL).txt) $(if $(filter cpu,$(ACCEL)),--no-deps) --index-url $(TORCH_INDEX_URL) -r requirements/torch-$(ACCEL).txt
 	@echo "[install] fbgemm, torchrec (--no-deps) ..."
-	$(PIP) --require-hashes --no-deps -r requirements/nodeps.txt $(if $(filter cpu,$(ACCEL)),-r requirements/fbgemm-cpu.txt,-r requirements/gpu-tools.txt)
-	@echo "[install] ray, mlflow and the rest (pinned, hash-checked) ..."
-	$(PIP) --require-hashes -r requirements/lock.txt
+	$(UV) --require-hashes --no-deps -r requirements/nodeps.txt $(if $(filter cpu,$(ACCEL)),-r requirements/fbgemm-cpu.txt,-r requirements/gpu-tools.txt)
+	@echo "[install] ray, mlflow and the rest (the whole closure pinned, hash-checked; pip check below proves it complete) ..."
+	$(UV) --require-hashes --no-deps -r requirements/lock.txt
 	$(PIP) --no-deps --no-build-isolation -e .
+	@echo "[install] bytecode (every core) ..."
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null
 	@# every installed distribution's requirements are met (but torchrec's fbgemm-gpu: fbgemm-gpu-cpu on CPU)
 	! $(BIN)/python -m pip check | grep -v -e '^torchrec [^ ]* requires fbgemm-gpu, which is not installed' -e '^No broken requirements'
 	$(BIN)/python -c "import torch, fbgemm_gpu, torchrec, ray, mlflow; print('[install] ok: torch', torch.__version__, '| ray', ray.__version__, '| mlflow', mlflow.__version__)"
@@ -34,11 +39,17 @@ $(STAMP): requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/l
 lock: install
 	$(BIN)/python requirements/lock.py
 
+# recgrid's own bytecode, brought up to date first (incremental): every Ray worker, actor and spawned
+# process imports the package, and with PYTHONDONTWRITEBYTECODE set no process writes it
+BYTECODE = $(BIN)/python -m compileall -q -j 0 platform tests >/dev/null
+
 # two pytest-xdist workers: the modules that start Ray on one, the rest beside them (tests/conftest.py)
 test: install
+	$(BYTECODE)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 demo: install
+	$(BYTECODE)
 	$(BIN)/recgrid train jobs/local_demo.yaml
 
 smoke: install

@@ -41,7 +41,7 @@ TORCH_CPU = "https://download.pytorch.org/whl/cpu"
 TORCH_CUDA = "https://download.pytorch.org/whl/cu128"
 # file -> the index its pins come from (the Makefile and k8s/Dockerfile install each from that index only)
 INDEXES = {"lock.txt": PYPI, "nodeps.txt": PYPI, "fbgemm-cpu.txt": PYPI, "gpu-tools.txt": PYPI,
-           "mlflow-server.txt": PYPI, "torch-cpu.txt": TORCH_CPU, "torch-cuda.txt": TORCH_CUDA}
+           "mlflow-server.txt": PYPI, "tools.txt": PYPI, "torch-cpu.txt": TORCH_CPU, "torch-cuda.txt": TORCH_CUDA}
 SERVER_ROOTS = ("mlflow", "psycopg2-binary", "Flask-WTF")  # mlflow server --app-name basic-auth needs Flask-WTF
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 

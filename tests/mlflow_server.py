@@ -98,6 +98,7 @@ def start(tmp_path: Path, timeout: float = 120) -> MlflowServer:
     args = [a if a.split("=")[0] not in moved else f"{a.split('=')[0]}={moved[a.split('=')[0]]}" for a in container["args"]]
     password = secrets.token_urlsafe(16)
     server_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    server_env.update({name: e["value"] for name, e in env.items() if "value" in e})  # the manifest's settings
     server_env.update(MLFLOW_AUTH_CONFIG_PATH=str(tmp_path / ini_name), MLFLOW_AUTH_ADMIN_PASSWORD=password,
                       MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
     log_path = tmp_path / "server.log"

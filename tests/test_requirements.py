@@ -41,8 +41,9 @@ def test_no_second_index_is_mixed_in():
     for path in [*REQ.glob("*.txt"), ROOT / "Makefile", ROOT / "k8s" / "Dockerfile"]:
         assert "--extra-index-url" not in path.read_text(), f"{path.name} mixes indexes"
     make = (ROOT / "Makefile").read_text()
-    assert "--require-hashes -r requirements/lock.txt" in make
-    assert "--require-hashes --no-deps -r requirements/nodeps.txt" in make
+    for name in ("tools.txt", "nodeps.txt", "lock.txt"):  # every PyPI step hash-checked
+        assert f"--require-hashes --no-deps -r requirements/{name}" in make, name
+    assert "pip check" in make  # lock.txt installs --no-deps: the check proves its closure complete
 
 
 def test_the_mlflow_server_file_is_its_closure_at_the_locks_versions():
