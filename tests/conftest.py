@@ -19,33 +19,34 @@ _EXIT = {"status": 0}
 # Modules whose in-process jobs share one local Ray cluster: the one `recgrid train` starts for the
 # demo job (`shared_ray`). They run one after another, so that cluster starts once (each start, with
 # its first Ray Data stream, cost a module 15-20 s). Modules that start a cluster of their own (other
-# shapes, nodes, `ray start`) run before them, but NODE_MODULES after them, and shut theirs down.
+# shapes, nodes, `ray start`) run before them, but LATE_MODULES after them, and shut theirs down.
 SHARED_CLUSTER_MODULES = ("test_compare.py", "test_data_prepare.py", "test_data_streams.py",
                           "test_launcher.py", "test_torchft.py")
 # Every module that starts Ray (the shared cluster, clusters of nodes of its own, `ray start`, a metrics
-# session) but NODE_MODULES. `make test` runs the suite on two pytest-xdist workers: these modules all on
-# one, one after another in the order above (the Ray jobs: the suite's long critical path, two clusters
-# at once would starve both), and every other module, whole, on the other one beside them (the planner,
-# the simulator, the engine over gloo, the manifests: mostly one core's work, which left the second core
+# session). `make test` runs the suite on two pytest-xdist workers: these modules all on one, one after
+# another in the order above (the Ray jobs: the suite's long critical path, two clusters at once would
+# starve both), and every other module, whole, on the other one beside them (the planner, the
+# simulator, the engine over gloo, the manifests: mostly one core's work, which left the second core
 # idle while they ran alone). `pytest_xdist_make_scheduler` below makes those work units.
-RAY_MODULES = SHARED_CLUSTER_MODULES + ("test_dashboard.py", "test_interrupt.py", "test_submit.py")
-# Ray modules that are a work unit of their own all the same, and run last in a serial run: their jobs
-# lose nodes and mostly wait on Ray's and torchft's failure detection, not on the CPU. pytest-xdist
-# hands out the units with most tests first, so the other worker reaches this one (4 tests) near its
-# end, once the Ray-free modules are done, and it runs beside the Ray modules' last ones. Inside the
-# Ray modules' unit, at its start and beside the Ray-free modules, it had taken 508 s (290 s alone).
-NODE_MODULES = ("test_recovery_nodes.py",)
+RAY_MODULES = SHARED_CLUSTER_MODULES + ("test_dashboard.py", "test_interrupt.py", "test_recovery_nodes.py",
+                                        "test_submit.py")
+# Ray modules that run last, after the shared cluster's: their jobs lose nodes and wait on Ray's and
+# torchft's failure detection, which stretched under the Ray-free modules' load when they ran first
+# (test_recovery_nodes.py: 508 s there, 290 s alone), and the Ray-free modules are done by then. As a
+# work unit of their own, beside the shared cluster's jobs, they were worse: two Ray clusters at once
+# (test_recovery_nodes.py 1010 s with 2 failures and an error, test_launcher.py's jobs 519 s against 241 s).
+LATE_MODULES = ("test_recovery_nodes.py",)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     # stable: the order within each part stays
-    items.sort(key=lambda item: (item.path.name in NODE_MODULES, item.path.name in SHARED_CLUSTER_MODULES))
+    items.sort(key=lambda item: (item.path.name in LATE_MODULES, item.path.name in SHARED_CLUSTER_MODULES))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """pytest-xdist's scope scheduling with the scopes above: "ray" for every RAY_MODULES test, the
     module otherwise (its fixtures built once). pytest-xdist queues the units with most tests first
-    and hands each worker two at the start: "ray" (89 tests) is second to test_k8s.py (109), so it
+    and hands each worker two at the start: "ray" (93 tests) is second to test_k8s.py (109), so it
     starts at once on the other worker, with test_config.py (38, quick) queued behind it; the rest
     go to whichever worker has fewer than two units waiting, in practice the first.
     (`--dist loadgroup` would need the group in each test's node id, which pytest-xdist 3.8 can no

@@ -46,7 +46,7 @@ def cluster():
 
     from recgrid.cluster import LOCAL_SYSTEM_CONFIG  # as `recgrid train`'s own local clusters
 
-    if ray.is_initialized():  # the shared cluster (conftest.NODE_MODULES: this module runs after its modules)
+    if ray.is_initialized():  # the shared cluster (conftest.LATE_MODULES: this module runs after its modules)
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": LOCAL_SYSTEM_CONFIG})
     nodes = [_worker_node(c) for _ in range(2)]
