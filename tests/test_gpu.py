@@ -14,8 +14,6 @@ pipeline's losses against the plain loop's at fp32, the CUDA-event phase split, 
 
 from __future__ import annotations
 
-import os
-
 import math
 import time
 
@@ -311,15 +309,7 @@ def gloo_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_loop")
     write_synth(str(tmp / "train"), 800, files=2, fmt="parquet", spec=SPEC, seed=1)
     write_synth(str(tmp / "eval"), 200, files=1, fmt="parquet", spec=SPEC, seed=1, stream=1)
-    # the ranks' Ray Data streams start Ray of their own: a bare ray.init() joins the cluster the machine
-    # started last (its ray_current_cluster file), under pytest-xdist another worker's test cluster, whose
-    # CPUs the read tasks then took, or which ended under them (a 600 s hang on a dead GCS)
-    old = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = "local"  # run_local hands the ranks this environment
-    try:
-        return run_local(_probe, 2, str(tmp / "train" / "*.parquet"), str(tmp / "eval" / "*.parquet"))
-    finally:
-        os.environ.pop("RAY_ADDRESS") if old is None else os.environ.__setitem__("RAY_ADDRESS", old)
+    return run_local(_probe, 2, str(tmp / "train" / "*.parquet"), str(tmp / "eval" / "*.parquet"))
 
 
 def test_cpu_trainer_does_not_construct_the_pipeline(gloo_results):

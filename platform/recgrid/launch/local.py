@@ -53,6 +53,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results: mp.Queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)  # the caller's environment now, not the fork server's of its start
+    # a rank whose data streams through Ray Data starts a Ray instance of its own: a bare ray.init() would
+    # join whatever cluster this machine started last (its ray_current_cluster file), another job's or
+    # test's, taking its CPUs or hanging on it once it ends. RAY_ADDRESS, where the caller sets it, stays.
+    env.setdefault("RAY_ADDRESS", "local")
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, threads_per_worker, device_type, results, fn, args,
                                           kwargs, env), daemon=True)
