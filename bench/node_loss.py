@@ -5,8 +5,11 @@ worker (it lacks the `worker_slot` resource the workers ask for) and two worker 
 room for one sharding group. Once the job trains, the second worker node is removed; `--gap`
 seconds later a fresh node joins (capacity returns). For each case the script records whether
 the sharding group on the surviving node kept its processes and kept training, the steps it took
-meanwhile, the seconds from the node's removal to the lost group's first committed step after its
-heal, and how the job ended:
+meanwhile, the seconds from the node's removal and from the fresh node's join to the lost group's
+first committed step after its heal, how the job ended (one MLflow run), whether the run's
+`grid/ranks.json` records every process of the job (rebuilt group included), and the row audit
+(`row_audit`: each global rank's logged batches against its part of the job's epoch plan, epoch
+after epoch: no batch skipped, and how many were read twice):
 
   one worker per node   T=2, M=2 (L=1): the lost node held one worker, one Ray replica group
   a group per node      T=4, M=2 (L=2): the lost node held two workers, two Ray replica groups
@@ -61,6 +64,7 @@ def run_case(tmp: Path, name: str, gap_s: float) -> dict:
         "grid.layout=inter-host", "train.resources_per_worker={worker_slot: 1}", "train.fault_tolerance=torchft",
         "train.max_steps=100000", "train.batch_size=64", "train.log_every=10", "train.max_failures=4",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-node-loss-{name}",
+        f"data.row_log={tmp}/rows",
     ])
     box: dict = {}
     job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
@@ -91,6 +95,7 @@ def run_case(tmp: Path, name: str, gap_s: float) -> dict:
                 kept = [r for r in before if r not in out["lost_ranks"]]
                 out["survivors_kept_their_processes"] = all(workers[r]["pid"] == before[r][1] for r in kept)
                 out["first_step_after_heal_s"] = round(max(e["t_first_step"] for e in events) - lost_at, 2)
+                out["first_step_after_node_added_s"] = round(out["first_step_after_heal_s"] - out["node_added_s"], 2)
                 out["survivors_steps_during"] = [e.get("survivors_steps") for e in events]
                 out["recoveries"] = [{k: e.get(k) for k in ("sharding_group", "source", "step", "kept_training")}
                                      for e in events]
@@ -102,9 +107,62 @@ def run_case(tmp: Path, name: str, gap_s: float) -> dict:
         out["status"] = result.status
         if result.error:
             out["error"] = result.error.splitlines()[0][:300]
+        else:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(config.tracking.tracking_uri)
+            exp = client.get_experiment_by_name(config.tracking.experiment)
+            out["mlflow_runs"] = len(client.search_runs([exp.experiment_id]))
+            with open(client.download_artifacts(result.run_id, "grid/ranks.json")) as f:
+                recorded = {(x["rank"], x["node"], x["pid"]) for x in json.load(f)}
+            every = {(int(r), w["node"], w["pid"]) for a in result.attempts for r, w in a["workers"].items()}
+            out["processes"] = len(every)
+            out["ranks_json_records_every_process"] = every <= recorded
+            out["row_audit"] = row_audit(config, tmp / "rows")
     finally:
         ray.shutdown()
         cluster.shutdown()
+    return out
+
+
+def row_audit(config, directory: Path) -> dict:
+    """Each global rank's logged batches (`train.worker.RowLog`, its attempts in order) matched,
+    in order, against its part of the job's epoch plan, epoch after epoch: `skipped` counts the
+    batches of the plan before the last one read that no attempt read (the issue asks for 0),
+    `read_again` the batches read twice (consumed but not committed when a group broke)."""
+    import numpy as np
+
+    from recgrid.data.stream import scan_inputs
+    from recgrid.data.units import DataCursor, EpochPlan, take_rows
+    from recgrid.train.worker import read_row_logs
+
+    inputs = scan_inputs(config.data.train, config.dataset_spec())
+    B, T = config.train.batch_size, config.grid.world_size
+    plan = EpochPlan(inputs, config.train.seed, B, config.data.rows_per_unit)
+    first_row = np.cumsum([0, *inputs.rows])  # synthetic row ids count rows over all files
+    logs = read_row_logs(str(directory))
+    out = {"batches": 0, "skipped": 0, "read_again": 0}
+    for rank in range(T):
+        batches = [np.sort(b).tobytes() for (a, r) in sorted(logs) if r == rank
+                   for b in logs[(a, r)][:, 1].reshape(-1, B)]
+        expected: list[bytes] = []
+        cursor = DataCursor()
+        while len(expected) < len(batches) + 5:
+            seg = plan.segment(cursor, T)
+            expected += [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
+                                                 for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
+                         for k in range(seg.steps_total)]
+            plan.next_epoch(cursor)
+        positions, nxt = [], 0  # in order: the next batch of the part, or one a few back read again
+        for b in batches:
+            found = [j for j in range(nxt, max(-1, nxt - 4), -1) if expected[j] == b]
+            if not found:  # not the next batch: a gap, counted up to the batch that was read
+                found = [expected.index(b, nxt)]
+            positions.append(found[0])
+            nxt = found[0] + 1
+        out["batches"] += len(batches)
+        out["skipped"] += max(positions) + 1 - len(set(positions))
+        out["read_again"] += len(positions) - len(set(positions))
     return out
 
 
