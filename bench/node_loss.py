@@ -126,42 +126,21 @@ def run_case(tmp: Path, name: str, gap_s: float) -> dict:
 
 
 def row_audit(config, directory: Path) -> dict:
-    """Each global rank's logged batches (`train.worker.RowLog`, its attempts in order) matched,
-    in order, against its part of the job's epoch plan, epoch after epoch: `skipped` counts the
-    batches of the plan before the last one read that no attempt read (the issue asks for 0),
-    `read_again` the batches read twice (consumed but not committed when a group broke)."""
-    import numpy as np
-
+    """Each global rank's logged batches matched against its part of the job's epoch plan, epoch
+    after epoch (`train.rows.rank_positions`): `skipped` counts the batches of the plan before the
+    last one read that no attempt read (the issue asks for 0), `read_again` the batches read twice
+    (consumed but not committed when a group broke)."""
     from recgrid.data.stream import scan_inputs
-    from recgrid.data.units import DataCursor, EpochPlan, take_rows
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import rank_positions, read_row_logs
 
     inputs = scan_inputs(config.data.train, config.dataset_spec())
-    B, T = config.train.batch_size, config.grid.world_size
-    plan = EpochPlan(inputs, config.train.seed, B, config.data.rows_per_unit)
-    first_row = np.cumsum([0, *inputs.rows])  # synthetic row ids count rows over all files
     logs = read_row_logs(str(directory))
     out = {"batches": 0, "skipped": 0, "read_again": 0}
-    for rank in range(T):
-        batches = [np.sort(b).tobytes() for (a, r) in sorted(logs) if r == rank
-                   for b in logs[(a, r)][:, 1].reshape(-1, B)]
-        expected: list[bytes] = []
-        cursor = DataCursor()
-        while len(expected) < len(batches) + 5:
-            seg = plan.segment(cursor, T)
-            expected += [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
-                                                 for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
-                         for k in range(seg.steps_total)]
-            plan.next_epoch(cursor)
-        positions, nxt = [], 0  # in order: the next batch of the part, or one a few back read again
-        for b in batches:
-            found = [j for j in range(nxt, max(-1, nxt - 4), -1) if expected[j] == b]
-            if not found:  # not the next batch: a gap, counted up to the batch that was read
-                found = [expected.index(b, nxt)]
-            positions.append(found[0])
-            nxt = found[0] + 1
-        out["batches"] += len(batches)
-        out["skipped"] += max(positions) + 1 - len(set(positions))
+    for rank in range(config.grid.world_size):
+        positions = rank_positions(inputs, config.train.seed, config.train.batch_size, config.data.rows_per_unit,
+                                   config.grid.world_size, rank, logs)
+        out["batches"] += len(positions)
+        out["skipped"] += max(positions, default=-1) + 1 - len(set(positions))
         out["read_again"] += len(positions) - len(set(positions))
     return out
 

@@ -100,7 +100,7 @@ def row_log_step(directory: Path, attempt: int, rank: int) -> int:
     """The newest step rank `rank` of attempt `attempt` finished, from its row log (0: none yet):
     read as the worker writes it, so a test can act at an exact step (the job's heartbeat lags by
     up to a second)."""
-    from recgrid.train.worker import row_log_file
+    from recgrid.train.rows import row_log_file
 
     try:
         with open(row_log_file(str(directory), attempt, rank), "rb") as f:
@@ -117,7 +117,7 @@ def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """What a job trained, from its row log: step -> row ids of the attempt that last trained
     the step (the timeline that survived), and attempt -> rows it trained that a later attempt
     trained again (the work a restore rolled back)."""
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import read_row_logs
 
     by_attempt: dict[int, list[np.ndarray]] = collections.defaultdict(list)
     for (attempt, _), arr in read_row_logs(str(directory)).items():

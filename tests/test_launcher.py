@@ -402,7 +402,7 @@ def test_a_worker_past_the_last_whole_sharding_group_sits_out_and_joins_the_chec
     yet joins Ray Train's report of every storage checkpoint (the job would hang at the first one
     otherwise) and the job's end; the two train exactly the rows the epoch plan gives two workers."""
     from recgrid.train.checkpoint import checkpoint_name
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import read_row_logs
 
     client = two_runs[0]
     cfg, r = SIT_OUT["config"], SIT_OUT["result"]

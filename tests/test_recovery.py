@@ -548,7 +548,7 @@ def test_holder_files_are_0600_in_0700_directories_and_links_are_never_followed(
 def test_row_log_is_0600_in_a_0700_directory_and_never_follows_a_link(tmp_path):
     import errno
 
-    from recgrid.train.worker import RowLog, row_log_file
+    from recgrid.train.rows import RowLog, row_log_file
 
     directory = str(tmp_path / "rows")
     log = RowLog(directory, 0, 0)

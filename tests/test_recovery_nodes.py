@@ -158,7 +158,7 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
     and end FINISHED. The row audit: each rank read its part up to the loss, then again from
     where its cursor stood at the checkpoint's step: no row skipped."""
     from recgrid.train.checkpoint import checkpoint_step
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import read_row_logs
 
     cfg = small_job(tmp_path, "test-node-local", "grid.layout=host-local", "train.max_steps=50", WORKER_SLOT,
                     "train.max_failures=2")

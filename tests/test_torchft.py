@@ -209,37 +209,15 @@ def test_no_row_is_skipped_and_only_uncommitted_batches_are_read_again(job):
     epoch plan: together a prefix of it (no row skipped), and every batch read twice belongs to
     a failure of its group (consumed but not committed when the group broke)."""
     from recgrid.data.stream import scan_inputs
-    from recgrid.data.units import DataCursor, EpochPlan, take_rows
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import rank_positions, read_row_logs
 
     config = job["config"]
     inputs = scan_inputs(config.data.train, config.dataset_spec())
-    plan = EpochPlan(inputs, config.train.seed, B, config.data.rows_per_unit)
-    first_row = np.cumsum([0, *inputs.rows])  # synthetic row ids count rows over all files
-
-    def part(rank: int, n: int) -> list[bytes]:
-        cursor, out = DataCursor(), []
-        while len(out) < n:
-            seg = plan.segment(cursor, T)
-            for k in range(seg.steps_total):
-                units = take_rows(seg.parts[rank], k * B, B)
-                ids = np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end) for u in units]))
-                out.append(ids.tobytes())
-            plan.next_epoch(cursor)
-        return out[:n]
-
     logs = read_row_logs(str(job["tmp"] / "rows"))
     failures = {r: sum(_group(k["victim"]) == _group(r) for k in job["kills"]) for r in range(T)}
     for rank in range(T):
-        batches = [np.sort(b).tobytes() for (a, r) in sorted(logs) if r == rank
-                   for b in logs[(a, r)][:, 1].reshape(-1, B)]
-        expected = part(rank, len(batches) + 5)
-        positions, nxt = [], 0  # matched in order: a batch may recur in a later epoch at another position
-        for b in batches:
-            back = [j for j in range(nxt, max(-1, nxt - 4), -1) if expected[j] == b]  # next, or a re-read
-            assert back, (rank, len(positions), "a batch that is not the next of this rank's part")
-            positions.append(back[0])
-            nxt = back[0] + 1
+        # matched in order: a batch may recur in a later epoch at another position
+        positions = rank_positions(inputs, config.train.seed, B, config.data.rows_per_unit, T, rank, logs)
         assert sorted(set(positions)) == list(range(max(positions) + 1)), rank  # a prefix: nothing skipped
         again = len(positions) - len(set(positions))
         assert again <= 2 * failures[rank], (rank, again, failures[rank])
@@ -313,7 +291,7 @@ def test_m1_group_restores_its_node_holders_snapshot_bit_for_bit(lone_group_job)
 def test_a_restore_reads_the_rows_after_the_restored_step_again_and_skips_none(lone_group_job):
     """Each rank's batches, in the order trained: its part of the epoch plan up to the kill, then
     again from where its cursor stood at the restored snapshot's step."""
-    from recgrid.train.worker import read_row_logs
+    from recgrid.train.rows import read_row_logs
 
     job, n = lone_group_job, 4
     config, e = job["config"], job["event"]

@@ -37,6 +37,7 @@ from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid, GridError
 from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
+from recgrid.train.rows import RowLog
 from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
 START_WAIT_S = 120  # torchft's first start: how long the sharding groups wait for each other, so the first quorum has all of them
@@ -412,48 +413,6 @@ def _sit_out(side_pg: Any) -> None:
         if kind == "done":
             return
         report_checkpoint(None, step, {})
-
-
-class RowLog:
-    """Appends (step, row id) pairs of every trained row to `<dir>/rows-a<attempt>-r<rank>.bin`
-    (int64 pairs, written per batch before its round commits, so a killed worker's file holds
-    every step its group committed, and at most its last uncommitted batch besides)."""
-
-    def __init__(self, directory: str, attempt: int, rank: int) -> None:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        # the rows a job trained are its data: this user's only, and never through a planted link
-        self.fd = os.open(row_log_file(directory, attempt, rank),
-                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-
-    def on_batch(self, trainer: Trainer, step: int, batch: Any) -> None:
-        """`FitHooks.on_batch`: the rows of every consumed batch, under the step it counts for,
-        written before its round commits (a worker killed right after a commit has them)."""
-        self.write(step, getattr(batch, "row_ids", None))
-
-    def write(self, step: int, row_ids: Any) -> None:
-        import numpy as np
-
-        if row_ids is None:
-            return
-        ids = np.asarray(row_ids, dtype=np.int64)
-        os.write(self.fd, np.stack([np.full_like(ids, step), ids], axis=1).tobytes())
-
-
-def row_log_file(directory: str, attempt: int, rank: int) -> str:
-    """The file `RowLog` writes for rank `rank` of attempt `attempt` under `directory`."""
-    return os.path.join(directory, f"rows-a{attempt:03d}-r{rank:03d}.bin")
-
-
-def read_row_logs(directory: str) -> dict[tuple[int, int], Any]:
-    """(attempt, rank) -> int64 array [n, 2] of (step, row id), from a RowLog directory."""
-    import numpy as np
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("rows-a") and name.endswith(".bin"):
-            attempt, rank = int(name[6:9]), int(name[11:14])
-            out[(attempt, rank)] = np.fromfile(os.path.join(directory, name), dtype=np.int64).reshape(-1, 2)
-    return out
 
 
 class Reporter:
