@@ -21,7 +21,6 @@ import socket
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from faults import BackgroundJob, mlflow_client, part_positions, read_again_from, workers_of
