@@ -129,16 +129,16 @@ def row_audit(config, directory: Path) -> dict:
     """Each global rank's logged batches matched against its part of the job's epoch plan, epoch
     after epoch (`train.rows.rank_positions`): `skipped` counts the batches of the plan before the
     last one read that no attempt read (the issue asks for 0), `read_again` the batches read twice
-    (consumed but not committed when a group broke)."""
+    (a broken group's batches since its last sync step)."""
     from recgrid.data.stream import scan_inputs
-    from recgrid.train.rows import rank_positions, read_row_logs
+    from recgrid.train.rows import rank_positions, read_row_logs, reread_window
 
     inputs = scan_inputs(config.data.train, config.dataset_spec())
     logs = read_row_logs(str(directory))
     out = {"batches": 0, "skipped": 0, "read_again": 0}
     for rank in range(config.grid.world_size):
         positions = rank_positions(inputs, config.train.seed, config.train.batch_size, config.data.rows_per_unit,
-                                   config.grid.world_size, rank, logs)
+                                   config.grid.world_size, rank, logs, reread_window(config.grid.sync_every))
         out["batches"] += len(positions)
         out["skipped"] += max(positions, default=-1) + 1 - len(set(positions))
         out["read_again"] += len(positions) - len(set(positions))

@@ -65,6 +65,7 @@ class JobControlImpl:
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
         self.leaves: list[dict[str, Any]] = []  # torchft: each sharding group's leaving at a drain (group, step, at)
+        self.joins = 0  # torchft: how many times a sharding group asked for its first quorum (`joining`)
         # the actor serves 4 calls at once, and Ray serialises a return value after the method returned: the
         # attempts' and groups' records are changed, and handed out as copies, under this lock (a reply
         # serialised while a commit appended to a group's history reached a worker as msgpack it could not
@@ -145,12 +146,21 @@ class JobControlImpl:
         with self._lock:
             self.events_logged.add(index)
 
+    def joining(self, group: int) -> int:
+        """Sharding group `group` asks for its first quorum (it starts, is rebuilt or comes back):
+        the live groups meet when they hear of it (`group_progress`'s answer). Returns how many
+        groups have asked so far."""
+        with self._lock:
+            self.joins += 1
+            return self.joins
+
     def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
-                       checkpoint_every: int = 0) -> None:
-        """Sharding group `group` committed `step`; its data cursor is `cursor` (torchft: `train.ft`).
-        The last GROUP_HISTORY commits' (time, step) are kept for the recovery's rates, and the
-        group's cursor at every storage checkpoint step (a multiple of `checkpoint_every`) it
-        committed or was away for (then its cursor stood where its last commit left it)."""
+                       checkpoint_every: int = 0) -> int:
+        """Sharding group `group` committed the sync step `step`; its data cursor is `cursor`
+        (torchft: `train.ft`). The last GROUP_HISTORY notes' (time, step) are kept for the
+        recovery's rates, and the group's cursor at every storage checkpoint step (a multiple of
+        `checkpoint_every`) it committed or was away for (then its cursor stood where its last
+        note left it). Returns how many groups have asked for their first quorum (`joining`)."""
         with self._lock:
             g = self.groups.setdefault(group, {"history": []})
             if checkpoint_every:
@@ -164,6 +174,7 @@ class JobControlImpl:
             g.update(step=step, cursor=cursor, at=when)
             g["history"].append((when, step))
             del g["history"][:-GROUP_HISTORY]
+            return self.joins
 
     def cursors_at(self, step: int) -> dict[int, dict[str, Any] | None]:
         """Every sharding group's data cursor at storage checkpoint step `step` (None: the start of

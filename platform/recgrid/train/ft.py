@@ -22,10 +22,13 @@ the run when two dead workers must be replaced at once, as in a node loss.)
 This module is only the component the trainer's one loop calls (`Trainer.fit`, with
 `trainer.replicas = TorchftReplicas(...)`); what the loop does per round is the same as every
 path's, the component decides what differs:
-  1. `start_round`: at the start of each block of K steps (and after a round that did not commit),
-     `Manager.start_quorum()`, synchronous: the live groups agree on a quorum. Inside a block no
-     round asks the lighthouse: the quorum of the block's start holds (a per-step quorum and
-     commit vote cost the demo's shape about a fifth of its throughput when nothing failed).
+  1. `start_round`: at a group's first round, after a round that did not commit, and at the start
+     of a block of K steps when the last sync step said so (a group waits to join, or one leaves),
+     `Manager.start_quorum()`, synchronous: the live groups agree on a quorum. Otherwise no round
+     asks the lighthouse: the quorum of the last meeting holds (a quorum is a barrier over the
+     job's workers through two servers; docs/design-notes.md has what one per block cost). A group asking to join tells job control
+     first (`JoinSignal.announce`), and the live groups hear of it from the answer to their next
+     progress note (`train.worker.GroupProgress`), within two blocks.
      A group behind the others (a rebuilt one) receives a live peer group's state over
      `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
      (`Trainer.snapshot()`, sent as `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad
@@ -35,12 +38,13 @@ path's, the component decides what differs:
      over the sharding group); FBGEMM's fused kernels update the embedding rows inside backward,
      as in every recgrid step, so these updates cannot wait for the commit (an uncommitted
      round's batch reaches its own group's tables, not the dense part).
-  3. `commit`: the dense gradients are averaged over the live groups through the manager (every
-     step: the dense part stays data-parallel over every live worker); every K steps the
-     embedding weights and moments are averaged too, into a buffer (torchft's LocalSGD idea),
-     and the sync step is voted on (`Manager.should_commit()`, agreed by the group's L workers);
-     inside a block the group's L workers agree among themselves that no collective failed (one
-     small all-reduce over the group), and the manager's step follows the trainer's. Only a
+  3. `commit`: one average over the live groups through the manager: the dense gradients (every
+     step: the dense part stays data-parallel over every live worker) and, every K steps, the
+     embedding weights and moments, into a buffer (torchft's LocalSGD idea), with a flag: whether
+     a group waits to join or leaves. Then the group's L workers agree, in one small all-reduce
+     over the group's process group, that no collective of the round failed on any of them (so
+     they commit alike; no vote of the live groups: a failure reaches every group's collective),
+     and on what the next block's start does; the manager's step follows the trainer's. Only a
      committed round's dense optimizer steps, its averaged tables land (`sync`) and the step
      count advances. A round that does not commit (a peer died inside it) is not a step: the
      next round takes the next batch under the same step number, after a quorum (a group left
@@ -53,11 +57,11 @@ path's, the component decides what differs:
 Nothing is rolled back: survivors never go back, a rebuilt group starts where they are.
 
 Data: each epoch is split into T parts by global rank, and each sharding group's parts keep their
-own cursor: shard rank 0 notes its group's step and cursor with job control after every commit
-(`train.control.JobControl.group_progress`), and a rebuilt group reads on from its own newest
-note, so its rows for the rounds it was away are read later, not skipped; it trails the other
-groups in the epoch by that many batches. (At most the batches of its last uncommitted rounds are
-read twice.)
+own cursor: shard rank 0 notes its group's step and cursor with job control after every committed
+sync step (`train.control.JobControl.group_progress`, without waiting for the answer), and a
+rebuilt group reads on from its own newest note, so its rows for the rounds it was away are read
+later, not skipped; it trails the other groups in the epoch by that many batches. (At most the
+batches since its last sync step are read twice.)
 
 Storage checkpoints (`StorageFallback`), for when no live group is left to heal from (every group
 lost at once, which Ray Train answers by restarting every worker, or M = 1): the live group of
@@ -79,9 +83,10 @@ checkpoint (`StorageFallback`, source `holder`).
 Elasticity and drains: a group leaves and the others train on (c from the live count); a group
 whose run had no room joins when it gets some, healed like a rebuilt one. When Ray Train says a
 node of the group's run is being drained (`drain_notice`: `ray.train.get_preemption_info`, asked
-at the start of a block, at most every DRAIN_CHECK_S, all the group's workers at the same round),
-the group leaves there, right after its last sync (`TorchftReplicas.left`; the worker then stops
-its manager, and the last group to leave writes a storage checkpoint first).
+at a sync step, at most every DRAIN_CHECK_S, all the group's workers at the same round), the group
+leaves right after that sync (`TorchftReplicas.left`; the worker then stops its manager, and the
+last group to leave writes a storage checkpoint first), and the live groups meet without it at
+their next block start.
 
 Who logs, evaluates and records the recoveries is the worker's business
 (`train.worker.GroupReport`, told of each quorum and commit through `GroupListener`).
@@ -108,7 +113,6 @@ TIMEOUT_S = 30  # collectives and the heal transfer; a dead peer's sockets close
 QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout (60 s): a peer evaluating is waited for
 
 
-COMMIT_TIMEOUT_S = 5  # the longest a commit vote waits for the group's workers (they vote within one step of each other)
 GROUP_START_S = 120  # how long a sharding group's manager waits to reach its group's store and the lighthouse
 # torchft's lighthouse leaves out a sharding group whose manager server has not beaten for this long
 # (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
@@ -371,46 +375,79 @@ class GroupListener(Protocol):
     def say(self, msg: str) -> None: ...  # a line for the user's console
 
 
+def keep_local_gradients(model: Any) -> int:
+    """Turn DDP's own all-reduce of the dense gradients off in `model`: a communication hook that
+    hands each bucket back as it is, on each of its DistributedDataParallel modules (DDP's public
+    `register_comm_hook`), so the gradients after backward are this worker's own. Under torchft
+    the component averages them itself, over the live groups and then over the sharding group,
+    with the round's agreement in the same all-reduce (`TorchftReplicas.commit`). Returns how many
+    DDP modules it found."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    def local(_, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a hook annotated other than its own types
+        done = torch.futures.Future()  # type: ignore[var-annotated]
+        done.set_result(bucket.buffer())
+        return done
+
+    found = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    for ddp in found:
+        ddp.register_comm_hook(None, local)
+    return len(found)
+
+
+class JoinSignal(Protocol):
+    """How the live sharding groups learn that a group waits at the lighthouse to join (they ask for
+    a quorum only then, or after a round that did not commit: never while nothing changes)."""
+
+    def announce(self) -> None: ...  # this group asks for its first quorum now
+    def pending(self) -> bool: ...  # this worker has heard of a group asking since it last said so
+
+
 class TorchftReplicas(Replicas):
     """The trainer's replica component under torchft (the module docstring's rounds), for a
     worker of a sharding group of `group_size` workers (the default process group)."""
 
-    rounds_talk = True  # a block's first round asks the quorum, its sync step votes: charged to "sync"
+    rounds_talk = True  # a round's quorum and its commit talk to the other groups: charged to "sync"
 
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: GroupListener,
                  group_size: int = 1, fallback: StorageFallback | None = None,
-                 drain_notice: Callable[[], Any] | None = None) -> None:
+                 drain_notice: Callable[[], Any] | None = None, joins: "JoinSignal | None" = None) -> None:
         super().__init__(trainer)
+        keep_local_gradients(trainer.model)  # `commit` averages the dense gradients
+        self.joins = joins  # a sharding group waiting to join: the live groups then meet (`JoinSignal`)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
         self.fallback = fallback
         # Ray Train's notice that a node of this group's run is being drained (`ray.train.get_preemption_info`:
         # a collective over the run's workers, asked by all of them at the same round), or None
         self.drain_notice = drain_notice
-        self.left: Any = None  # the drain notice this group left at (the loop ended at a block start)
+        self.left: Any = None  # the drain notice this group leaves at (the loop ends at the next round's start)
         self._drain_checked = time.monotonic()
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
-        self._tables: "_Average | None" = None  # a committed round's table average, to land in `sync`
+        self._tables: "tuple[list[Any], float] | None" = None  # a committed round's table average and its seconds, to land in `sync`
         # delayed moment sync: the moments as they were at the last committed sync, and their average in flight
         self._moments: "tuple[list[Any], _Average] | None" = None
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
+        # agreed at the last committed sync step: the next block's start asks for a quorum; the next sync
+        # step asks Ray Train for a drain notice
+        self._quorum_next = self._drain_next = False
 
     def start_round(self) -> str:
         t = self.trainer
-        if self.live is not None and not self._meet_next and not sync_step(t.state.step, t.config.sync_every):
-            return "train"  # inside a block of K steps: no quorum (the module docstring, 1.)
-        # torchft's manager server waits for every worker of the group at a quorum and a commit vote, and a
-        # dead group-mate never comes (its wait ends at the quorum timeout): the group meets first, over
-        # its own process group, where a dead mate fails the step at once (and Ray Train restarts the group);
-        # at the same meeting its workers agree whether to ask about a drain this round
-        due = (self.drain_notice is not None and self.live is not None
-               and time.monotonic() - self._drain_checked >= DRAIN_CHECK_S)
-        if self._group_meets(due):
-            self._drain_checked = time.monotonic()
-            notice = self.drain_notice()
-            if notice is not None:  # leave now, at the block's start: everything committed is synced
-                self.left = notice
-                return "end"
+        block_start = sync_step(t.state.step, t.config.sync_every)
+        if self.left is not None:  # a node is being drained: the group leaves after its sync step (`commit`)
+            return "end"
+        meet = self.live is None or self._meet_next or (block_start and self._quorum_next)
+        self._quorum_next = False
+        if not meet:
+            return "train"  # no quorum: the live groups are those of the last one (the module docstring, 1.)
+        if self.live is None and self.joins is not None:
+            self.joins.announce()  # the live groups meet at their next block start, with this group
+        # torchft's manager server waits for every worker of the group at a quorum, and a dead group-mate
+        # never comes (its wait ends at the quorum timeout): the group meets first, over its own process
+        # group, where a dead mate fails the round at once (and Ray Train restarts the group)
+        self._group_meets()
         self.manager.start_quorum()  # heals this sharding group here when it is behind
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
@@ -454,33 +491,62 @@ class TorchftReplicas(Replicas):
 
     def commit(self, step: int) -> bool:
         import torch
+        import torch.distributed as dist
 
         t, live = self.trainer, self.live or 1
         params = t.dense_params()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = self._average([p.grad for p in params]) if live > 1 else None
         ends_block = sync_step(step, t.config.sync_every)
-        syncing = live > 1 and ends_block
-        tables = self._average([x.detach().clone() for x in replicated_tensors(t)]) if syncing else None
-        for job in (grads, tables):
-            if job is not None:
-                job()
-        if ends_block:  # a sync step: the live groups vote (the module docstring, 3.)
-            # a group-mate that died before it voted would hold the vote until the manager's timeout
-            self._group_meets(False)
-            committed = self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
-        else:  # inside a block: the group's workers agree among themselves, no vote of the live groups
-            committed = self._group_agrees(self.manager.errored() is None)
-            if committed:  # the manager's step is the trainer's: a group that missed a step is behind, and heals
-                self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        # a sync step: a drain check when the group agreed on one at its last sync (every DRAIN_CHECK_S;
+        # Ray Train's notice is a collective over the run's workers); the next block's start asks for a
+        # quorum when a group waits to join or this one leaves; the next sync checks a drain when due
+        notice = None
+        if ends_block and self._drain_next:
+            self._drain_checked = time.monotonic()
+            notice = self.drain_notice()
+        wants = ends_block and (notice is not None or (self.joins is not None and self.joins.pending()))
+        due = (ends_block and self.drain_notice is not None
+               and time.monotonic() - self._drain_checked >= DRAIN_CHECK_S)
+        # the tables' average over the live groups, launched first (it lands in `sync` if the round commits)
+        tables = [x.detach().clone() for x in replicated_tensors(t)] if live > 1 and ends_block else []
+        average = self._average(tables) if tables else None
+        # the dense gradients (each worker's own: DDP's all-reduce is off, `keep_local_gradients`) and the
+        # round's flags in one buffer: averaged over the live groups (shard s with shard s), then summed
+        # over the sharding group, which also agrees the flags (so its workers commit alike): whether a
+        # collective of the round failed on any of them, whether a group waits to join or leaves (any
+        # group: the first average carried it), whether the next sync checks a drain
+        grads = [p.grad for p in params]
+        buf = torch.cat([g.reshape(-1).float() for g in grads]
+                        + [torch.tensor([float(wants), 0.0, 0.0], device=t.device)])
+        if live > 1:
+            self.manager.allreduce(buf).wait()
+        if average is not None:
+            average()
+        buf[-2] = 0.0 if self.manager.errored() is None else 1.0
+        buf[-1] = float(due)
+        if self.group_size > 1:
+            dist.all_reduce(buf)
+        wants, failed, due = buf[-3:].tolist()
+        offset = 0
+        for g in grads:
+            g.copy_(buf[offset:offset + g.numel()].view_as(g)).div_(self.group_size)
+            offset += g.numel()
+        seconds = average.seconds if average is not None else 0.0
+        committed = not failed
+        if committed:  # the manager's step is the trainer's: a group that missed a step is behind, and heals
+            self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         self._meet_next = not committed
-        self._tables = tables if committed else None
+        if ends_block:  # what the next block's start and the next sync step do
+            self._quorum_next, self._drain_next = committed and wants > 0, committed and due > 0
+        if notice is not None:  # leave at the next round's start: what the group committed is synced
+            self.left = notice
+        self._tables = (tables, seconds) if committed and tables else None
         if not committed:  # a moment average in flight may have failed with the round: dropped on every group
             self._moments = None
             err = self.manager.errored()
-            why = str(getattr(err, "original_exception", err) or "the quorum did not agree").splitlines()[0][:200]
+            why = str(getattr(err, "original_exception", err) or "a group-mate's collective failed").splitlines()[0][:200]
             self.listener.say(f"sharding group {self.heal.group}: the round for step {step} did not commit ({why}); "
                               f"the next round takes the next batch")
         return committed
@@ -490,17 +556,17 @@ class TorchftReplicas(Replicas):
         import torch
 
         t0 = time.perf_counter()
-        tables, self._tables = self._tables, None
-        if tables is not None:
-            sent = sum(x.numel() * x.element_size() for x in tables.tensors)
+        landing, self._tables = self._tables, None
+        if landing is not None:
+            tables, seconds = landing
+            sent = sum(x.numel() * x.element_size() for x in tables)
             with torch.no_grad():
-                for dst, src in zip(replicated_tensors(self.trainer), tables.tensors):
+                for dst, src in zip(replicated_tensors(self.trainer), tables):
                     dst.copy_(src)
                 if self.trainer.config.delayed_moment_sync:
                     sent += self._delayed_moments(optimizer_states(self.trainer.model))
-            self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + tables.seconds,
-                                                   bytes=sent))
-        self.listener.committed(step, self.live or 1, tables is not None)
+            self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + seconds, bytes=sent))
+        self.listener.committed(step, self.live or 1, landing is not None)
         return time.perf_counter() - t0
 
     def _delayed_moments(self, states: list[Any]) -> int:
@@ -524,32 +590,14 @@ class TorchftReplicas(Replicas):
     def workers(self) -> int:
         return (self.live or 1) * self.group_size
 
-    def _group_meets(self, flag: bool) -> bool:
+    def _group_meets(self) -> None:
         """Every worker of the sharding group is here (a barrier over its process group, on the
-        trainer's device: NCCL takes no CPU tensors); raises if a group-mate died. Returns whether
-        any of them raised `flag`."""
+        trainer's device: NCCL takes no CPU tensors); raises if a group-mate died."""
         import torch
         import torch.distributed as dist
-        from torch.distributed import ReduceOp
 
-        if self.group_size == 1:
-            return flag
-        x = torch.tensor([1.0 if flag else 0.0], device=self.trainer.device)
-        dist.all_reduce(x, op=ReduceOp.MAX)
-        return bool(x[0] > 0)
-
-    def _group_agrees(self, ok: bool) -> bool:
-        """Whether every worker of the sharding group is `ok` (a MIN over its process group, on the
-        trainer's device), so its workers commit a step alike."""
-        import torch
-        import torch.distributed as dist
-        from torch.distributed import ReduceOp
-
-        if self.group_size == 1:
-            return ok
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.trainer.device)
-        dist.all_reduce(flag, op=ReduceOp.MIN)
-        return bool(flag[0] > 0)
+        if self.group_size > 1:
+            dist.all_reduce(torch.zeros(1, device=self.trainer.device))
 
     def reduce(self, **states: Any) -> dict[str, float]:
         live = self.live or 1

@@ -8,7 +8,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-REREAD_WINDOW = 4  # a batch read again is one of the last few of its part (a broken group's uncommitted rounds)
+
+def reread_window(sync_every: int) -> int:
+    """How far back in its part a batch read again may lie: a rebuilt sharding group reads on from
+    its group's last noted sync step (`train.worker.GroupProgress`), so the batches of up to K - 1
+    committed steps after it, and those of the rounds that did not commit when it broke (one or
+    two), are read again."""
+    return sync_every + 2
 
 
 class RowLog:
@@ -54,11 +60,11 @@ def read_row_logs(directory: str) -> dict[tuple[int, int], Any]:
 
 
 def rank_positions(inputs: Any, seed: int, batch_size: int, rows_per_unit: int, workers: int, rank: int,
-                   logs: dict[tuple[int, int], Any]) -> list[int]:
+                   logs: dict[tuple[int, int], Any], window: int) -> list[int]:
     """Where each batch global rank `rank` logged (`read_row_logs`' arrays, its attempts in order)
     sits in its part of the job's epoch plan for `workers` workers, epoch after epoch (position k:
     the part's k-th batch over the epochs). Each is matched in order: the part's next batch, or
-    one of the REREAD_WINDOW - 1 before it read again; one that is neither is placed at its next
+    one of the `window` - 1 before it read again (`reread_window`); one that is neither is placed at its next
     occurrence further on (a gap: the batches between were skipped). Synthetic row ids count
     rows over all files, as `scan_inputs` lists them."""
     import numpy as np
@@ -71,7 +77,7 @@ def rank_positions(inputs: Any, seed: int, batch_size: int, rows_per_unit: int, 
     batches = [np.sort(b).tobytes() for (a, r) in sorted(logs) if r == rank for b in logs[(a, r)][:, 1].reshape(-1, B)]
     expected: list[bytes] = []
     cursor = DataCursor()
-    while len(expected) < len(batches) + REREAD_WINDOW:
+    while len(expected) < len(batches) + window:
         seg = plan.segment(cursor, workers)
         expected += [np.sort(np.concatenate([first_row[u.file] + np.arange(u.start, u.end)
                                              for u in take_rows(seg.parts[rank], k * B, B)])).tobytes()
@@ -79,7 +85,7 @@ def rank_positions(inputs: Any, seed: int, batch_size: int, rows_per_unit: int, 
         plan.next_epoch(cursor)
     positions, nxt = [], 0
     for b in batches:
-        back = [j for j in range(nxt, max(-1, nxt - REREAD_WINDOW), -1) if expected[j] == b]
+        back = [j for j in range(nxt, max(-1, nxt - window), -1) if expected[j] == b]
         at = back[0] if back else expected.index(b, nxt)
         positions.append(at)
         nxt = at + 1

@@ -270,18 +270,14 @@ def train_group_worker(cfg: dict) -> None:
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
     fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
                                             trainer=trainer), control, job.recovery, g, s, job.resume_from, holders)
+    progress = GroupProgress(control, g, s, trainer, job.checkpoint_every)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
-                                                  drain_notice=ray.train.get_preemption_info)
-
-    def note_progress(step: int) -> None:  # a restarted group reads on from its own cursor (train.ft)
-        if s == 0:
-            control.group_progress.remote(g, step, trainer.state.cursor.state_dict(), time.time(),
-                                          job.checkpoint_every)
+                                                  drain_notice=ray.train.get_preemption_info, joins=progress)
 
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
 
-    after_step = [note_progress, checkpoint, report.step] + ([snapshotter.maybe_snapshot] if snapshotter else [])
+    after_step = [progress.note, checkpoint, report.step] + ([snapshotter.maybe_snapshot] if snapshotter else [])
     hooks = FitHooks(on_log=report.log, on_batch=rows.on_batch if rows else None,
                      after_step=after_step, stop_requested=StopPoll(control))
     try:
@@ -305,6 +301,50 @@ def train_group_worker(cfg: dict) -> None:
     manager.shutdown(wait=False)
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
+
+
+class GroupProgress:
+    """Shard rank 0's notes of its sharding group's progress to job control (`note`, after every
+    committed sync step: the step and the data cursor, `JobControl.group_progress`; a rebuilt group
+    reads on from its own newest note), and the component's `train.ft.JoinSignal` on top of them:
+    each note's answer, read at the next sync step without waiting for it, is how many groups have
+    asked for their first quorum (`JobControl.joining`), so the live groups learn of a waiting
+    group without a call of their own. The other shard ranks note nothing and hear nothing (their
+    group-mate's word reaches them through the group's agreement, `TorchftReplicas.commit`)."""
+
+    def __init__(self, control: Any, group: int, shard: int, trainer: Trainer, checkpoint_every: int) -> None:
+        self.control, self.group, self.shard, self.trainer = control, group, shard, trainer
+        self.checkpoint_every = checkpoint_every
+        self.seen = 0  # the newest count of asking groups this worker has heard
+        self.heard = False  # a count newer than `seen` arrived and nobody has been told yet
+        self._answer: Any = None  # the newest note's reply, not read yet
+
+    def note(self, step: int) -> None:
+        if self.shard != 0 or not sync_step(step, self.trainer.config.sync_every):
+            return
+        self._read()
+        self._answer = self.control.group_progress.remote(self.group, step, self.trainer.state.cursor.state_dict(),
+                                                          time.time(), self.checkpoint_every)
+
+    def announce(self) -> None:
+        import ray
+
+        if self.shard == 0:
+            self.seen = max(self.seen, ray.get(self.control.joining.remote(self.group)))
+
+    def pending(self) -> bool:
+        self._read()
+        heard, self.heard = self.heard, False
+        return heard
+
+    def _read(self) -> None:
+        import ray
+
+        if self._answer is None or not ray.wait([self._answer], timeout=0)[0]:
+            return
+        joins, self._answer = ray.get(self._answer), None
+        if joins > self.seen:
+            self.seen, self.heard = joins, True
 
 
 def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
