@@ -241,7 +241,16 @@ def train_group_worker(cfg: dict) -> None:
     g, s = coords.sharding_group, coords.shard_rank
     control = job.control
     attempt = ray.get(control.begin_attempt.remote(1))
-    ray.get(control.register.remote(attempt, rank, os.getpid(), ray.get_runtime_context().get_node_id()))
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(control.register.remote(attempt, rank, os.getpid(), node))
+    system = None
+    if job.run_id and ray.get(control.claim_step.remote(f"system:{node}", 0)):
+        import socket
+
+        from recgrid.tracking import start_system_metrics
+
+        # one monitor per node (the job's first worker there), named by host and Ray node, as train_worker's
+        system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{node[:8]}", job.tracking_uri)
     status = ray.get(control.status.remote())
     replacement = any(rank in a["workers"] for a in status["attempts"][:attempt])
     attempt_info = status["attempts"][attempt]
@@ -295,6 +304,8 @@ def train_group_worker(cfg: dict) -> None:
         raise
     if snapshotter is not None:
         snapshotter.close()
+    if system is not None:
+        system.finish()
     if replicas.left is not None:
         _leave_at_drain(job, trainer, replicas, fallback, manager, g, s, L)
         return
@@ -490,19 +501,24 @@ class Reporter:
             self.tracker.log_metrics(values, step)
         self.exporter(values, step)
 
-    def started(self, restored: Any, grid: Grid) -> None:
+    def open_run(self, workers_per_node: int | None, step: int) -> None:
+        """What a worker that starts logging puts in the run first: `derived.workers_per_node`
+        (once a job; the plan itself is the run's artifact sharding_plan.json, written by the
+        driver), and the recovery gauges, which exist from the start (0 until a recovery), as
+        dashboards expect."""
         import ray
 
-        step = restored.step
-        if self.tracker is not None and self.attempt == 0:
-            # the plan itself is the run's artifact sharding_plan.json (written by the driver)
-            self.tracker.log_params({"derived.workers_per_node": grid.workers_per_node})
-        self.log_grid(grid.num_groups, grid.world_size, step)
-        # the recovery gauges exist from the start (0 until a recovery), as dashboards expect
+        if self.tracker is not None and ray.get(self.control.claim_step.remote("params", 0)):
+            self.tracker.log_params({"derived.workers_per_node": workers_per_node})
         events = [e for e in ray.get(self.coordinator.status.remote())["events"] if "seconds" in e]
         last = events[-1] if events else {}
         self.exporter({"recovery/count": len(events), "recovery/seconds": last.get("seconds", 0.0),
                        "recovery/steps_lost": last.get("steps_lost", 0)}, step)
+
+    def started(self, restored: Any, grid: Grid) -> None:
+        step = restored.step
+        self.open_run(grid.workers_per_node, step)
+        self.log_grid(grid.num_groups, grid.world_size, step)
         if restored.event is not None:
             self.recovery = {"event": restored.event, "source": restored.source, "step": step}
         if self.attempt > 0 or restored.source != "fresh":
@@ -635,11 +651,24 @@ class GroupReport:
             self.report = Reporter(self.job, self.trainer, self.control, self.coordinator, self.attempt, self.exporter,
                                    tracker=self.tracker.get())
             self.control.note.remote(self.attempt, self.rank, {"logging_since": time.time()})
+            self.report.open_run(self._workers_per_node(), self.trainer.state.step)
         elif rank != 0:
             self.report = None
         if live != self.live and self.report is not None:
             self.report.log_grid(live, live * self.job.group_size, self.trainer.state.step)
         self.live = live
+
+    def _workers_per_node(self) -> int | None:
+        """The job's workers on each node, as job control has them registered (each global rank's
+        newest start), when every node holds as many; else None."""
+        import ray
+
+        newest: dict[int, str] = {}
+        for a in ray.get(self.control.status.remote())["attempts"]:
+            for rank, w in a["workers"].items():
+                newest[int(rank)] = w["node"]
+        counts = set(Counter(newest.values()).values())
+        return counts.pop() if len(counts) == 1 else None
 
     def finished_elsewhere(self) -> bool:
         """A replacement that found no live sharding group ahead while the others have already ended
