@@ -26,9 +26,10 @@ path's, the component decides what differs:
      of a block of K steps when the last sync step said so (a group waits to join, or one leaves),
      `Manager.start_quorum()`, synchronous: the live groups agree on a quorum. Otherwise no round
      asks the lighthouse: the quorum of the last meeting holds (a quorum is a barrier over the
-     job's workers through two servers; docs/design-notes.md has what one per block cost). A group asking to join tells job control
-     first (`JoinSignal.announce`), and the live groups hear of it from the answer to their next
-     progress note (`train.worker.GroupProgress`), within two blocks.
+     job's workers through two servers; docs/design-notes.md has what one per block cost). A
+     group asking to join tells job control first (`JoinSignal.announce`), and the live groups
+     hear of it from the answer to their next progress note (`train.worker.GroupProgress`),
+     within two blocks.
      A group behind the others (a rebuilt one) receives a live peer group's state over
      `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
      (`Trainer.snapshot()`, sent as `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad
@@ -119,8 +120,8 @@ GROUP_START_S = 120  # how long a sharding group's manager waits to reach its gr
 # managers beat every 100 ms
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
 LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
-# how often a sharding group asks Ray Train whether a node of its run is being drained (at the start of a
-# block of K steps, the group's workers agreeing when): Ray Train's own watcher polls Ray every 5 s, and a
+# how often a sharding group asks Ray Train whether a node of its run is being drained (at a sync step
+# its workers agreed on at the one before): Ray Train's own watcher polls Ray every 5 s, and a
 # drain gives minutes (a spot reclaim: 30 s or more)
 DRAIN_CHECK_S = 2.0
 
@@ -375,13 +376,12 @@ class GroupListener(Protocol):
     def say(self, msg: str) -> None: ...  # a line for the user's console
 
 
-def keep_local_gradients(model: Any) -> int:
+def keep_local_gradients(model: Any) -> None:
     """Turn DDP's own all-reduce of the dense gradients off in `model`: a communication hook that
     hands each bucket back as it is, on each of its DistributedDataParallel modules (DDP's public
     `register_comm_hook`), so the gradients after backward are this worker's own. Under torchft
     the component averages them itself, over the live groups and then over the sharding group,
-    with the round's agreement in the same all-reduce (`TorchftReplicas.commit`). Returns how many
-    DDP modules it found."""
+    with the round's agreement in the same all-reduce (`TorchftReplicas.commit`)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -390,10 +390,9 @@ def keep_local_gradients(model: Any) -> int:
         done.set_result(bucket.buffer())
         return done
 
-    found = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
-    for ddp in found:
-        ddp.register_comm_hook(None, local)
-    return len(found)
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            m.register_comm_hook(None, local)
 
 
 class JoinSignal(Protocol):
@@ -425,7 +424,8 @@ class TorchftReplicas(Replicas):
         self._drain_checked = time.monotonic()
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
-        self._tables: "tuple[list[Any], float] | None" = None  # a committed round's table average and its seconds, to land in `sync`
+        # a committed round's table average and its seconds, to land in `sync`
+        self._tables: "tuple[list[Any], float] | None" = None
         # delayed moment sync: the moments as they were at the last committed sync, and their average in flight
         self._moments: "tuple[list[Any], _Average] | None" = None
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
@@ -492,6 +492,7 @@ class TorchftReplicas(Replicas):
     def commit(self, step: int) -> bool:
         import torch
         import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         t, live = self.trainer, self.live or 1
         params = t.dense_params()
@@ -518,8 +519,8 @@ class TorchftReplicas(Replicas):
         # collective of the round failed on any of them, whether a group waits to join or leaves (any
         # group: the first average carried it), whether the next sync checks a drain
         grads = [p.grad for p in params]
-        buf = torch.cat([g.reshape(-1).float() for g in grads]
-                        + [torch.tensor([float(wants), 0.0, 0.0], device=t.device)])
+        buf = torch.cat([_flatten_dense_tensors(grads).float(),
+                         torch.tensor([float(wants), 0.0, 0.0], device=t.device)])
         if live > 1:
             self.manager.allreduce(buf).wait()
         if average is not None:
@@ -529,10 +530,8 @@ class TorchftReplicas(Replicas):
         if self.group_size > 1:
             dist.all_reduce(buf)
         wants, failed, due = buf[-3:].tolist()
-        offset = 0
-        for g in grads:
-            g.copy_(buf[offset:offset + g.numel()].view_as(g)).div_(self.group_size)
-            offset += g.numel()
+        for g, total in zip(grads, _unflatten_dense_tensors(buf[:-3], grads)):
+            g.copy_(total).div_(self.group_size)
         seconds = average.seconds if average is not None else 0.0
         committed = not failed
         if committed:  # the manager's step is the trainer's: a group that missed a step is behind, and heals
@@ -565,7 +564,8 @@ class TorchftReplicas(Replicas):
                     dst.copy_(src)
                 if self.trainer.config.delayed_moment_sync:
                     sent += self._delayed_moments(optimizer_states(self.trainer.model))
-            self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + seconds, bytes=sent))
+            self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + seconds,
+                                                   bytes=sent))
         self.listener.committed(step, self.live or 1, landing is not None)
         return time.perf_counter() - t0
 
