@@ -114,24 +114,24 @@ def row_log_step(directory: Path, attempt: int, rank: int) -> int:
 
 
 def row_audit(directory: Path) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-    """What a job trained, from its row log: step -> row ids of the attempt that last trained
-    the step (the timeline that survived), and attempt -> rows it trained that a later attempt
-    trained again (the work a restore rolled back)."""
+    """What a job trained, from its row log: step -> row ids that the newest attempt of each rank
+    trained at the step (the timeline that survived; a rank's attempts are in order, whether Ray
+    restarted every worker or one sharding group's), and attempt -> rows it trained that a later
+    attempt trained again (the work a restore rolled back)."""
     from recgrid.train.rows import read_row_logs
 
-    by_attempt: dict[int, list[np.ndarray]] = collections.defaultdict(list)
-    for (attempt, _), arr in read_row_logs(str(directory)).items():
-        by_attempt[attempt].append(arr)
-    final: dict[int, tuple[int, np.ndarray]] = {}
-    for attempt in sorted(by_attempt):
-        arr = np.concatenate(by_attempt[attempt])
+    logs = read_row_logs(str(directory))
+    final: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+    for (attempt, rank), arr in sorted(logs.items()):
         for step in np.unique(arr[:, 0]):
-            final[int(step)] = (attempt, np.sort(arr[arr[:, 0] == step, 1]))
-    redone = {}
-    for attempt, parts in by_attempt.items():
-        steps = np.concatenate(parts)[:, 0]
-        redone[attempt] = int(sum(final[int(s)][0] != attempt for s in steps))
-    return {s: ids for s, (_, ids) in final.items()}, redone
+            final[(int(step), rank)] = (attempt, arr[arr[:, 0] == step, 1])
+    by_step: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+    for (step, _), (_, ids) in final.items():
+        by_step[step].append(ids)
+    redone: dict[int, int] = collections.defaultdict(int)
+    for (attempt, rank), arr in logs.items():
+        redone[attempt] += int(sum(final[(int(s), rank)][0] != attempt for s in arr[:, 0]))
+    return {s: np.sort(np.concatenate(parts)) for s, parts in by_step.items()}, dict(redone)
 
 
 def workers_of(st: dict) -> dict[int, dict]:

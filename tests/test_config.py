@@ -181,13 +181,14 @@ def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, 
     # T=4, M=2, L=2, elastic down to 2: an attempt may get 3 workers and sideline one
     base = ["data.train=data/train-0.tsv", "grid.world_size=4", "grid.num_groups=2", f"model.sharding={sharding}"]
     with pytest.raises(ConfigError, match=r"^model\.sharding: .*elastic.*sidelines ranks"):
-        load_config(None, base + ["grid.min_world_size=2"])
+        load_config(None, base + ["grid.min_world_size=2", "train.fault_tolerance=restart"])
+    assert not load_config(None, base + ["grid.min_world_size=2"]).sidelines_ranks  # a run per sharding group
     fixed = load_config(None, base)  # a fixed size never sidelines a rank
     assert not fixed.sidelines_ranks
     every_count_whole = load_config(None, base[:2] + ["grid.num_groups=4", f"model.sharding={sharding}",
                                                       "grid.min_world_size=2"])  # L = 1
     assert not every_count_whole.sidelines_ranks
-    assert load_config(None, base[:3] + ["grid.min_world_size=2"]).sidelines_ranks  # auto: planned without them
+    assert load_config(None, base[:3] + ["grid.min_world_size=2", "train.fault_tolerance=restart"]).sidelines_ranks
 
 
 def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
@@ -251,8 +252,8 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
 
 
 def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -> None:
-    """train.fault_tolerance null: torchft for CPU jobs that survive failures, whatever else they
-    use (logged resolved); restart otherwise."""
+    """train.fault_tolerance null: torchft for every CPU job, whatever else it uses (logged
+    resolved); restart on GPUs."""
     base = ["data.train=data/train-*.tsv", "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5"]
 
     def path(*o: str) -> str:
@@ -262,7 +263,7 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
 
     assert load_config(None, base).train.fault_tolerance is None
     assert path("train.max_failures=2") == "torchft"
-    assert path() == "restart"  # no failure survived: nothing to be faster at
+    assert path() == "torchft"  # no failure survived: a failed group's run then fails the job
     assert path("train.max_failures=2", "grid.num_groups=1") == "torchft"  # restored from its node holders
     assert path("train.max_failures=2", "train.use_gpu=true") == "restart"  # TorchRec's pipelined loop on GPUs
     assert path("train.max_failures=2", "grid.min_world_size=2") == "torchft"  # elastic by whole sharding groups

@@ -76,6 +76,7 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
         *SIDE_BY_SIDE])
     # the elastic sit-out job: T=4, M=2 (L=2) elastic down to 2, where only 3 of its workers fit
     sit_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-sit-out", f"data.row_log={tmp}/rows-sit-out",
+                                  "train.fault_tolerance=restart",
                                   f"train.storage_path={tmp}/storage-sit-out", "grid.min_world_size=2",
                                   f"train.resources_per_worker={{memory: {_room_for(3)}}}", "train.max_steps=10",
                                   "train.checkpoint_every=5", "data.eval=[]", *SIDE_BY_SIDE])

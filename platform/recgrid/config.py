@@ -163,7 +163,7 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
     fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; with no live group left, the node holders' in-memory snapshot (M = 1), else the storage checkpoint (every group lost), else train.resume_from; a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for the jobs it serves (CPU workers, train.max_failures > 0; at M = 1 the group restores from its node holders), else restart (GPU jobs keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; with no live group left, the node holders' in-memory snapshot (M = 1), else the storage checkpoint (every group lost), else train.resume_from; a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for every CPU job (with train.max_failures=0 a failed group's run fails the job; at M = 1 the group restores from its node holders), restart on GPU workers (they keep restart's pipelined loop until torchft has been checked on GPUs)."""
     snapshot_every_syncs: int | None = None
     """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path or under torchft with M = 1, else 0 (a job that can never restore takes none, and torchft with M >= 2 heals from live peer groups, not from snapshots; it takes them only at M = 1)."""
     checkpoint_every: int | None = None
@@ -514,14 +514,14 @@ class JobConfig:
 
     @property
     def fault_tolerance(self) -> str:
-        """`train.fault_tolerance`, or when null: "torchft" where it serves the job (CPU workers,
-        failures survived at all: with M >= 2 the other groups train on through a failure instead
-        of every worker restarting; with M = 1 the group restores from its node holders), else
-        "restart"."""
+        """`train.fault_tolerance`, or when null: "torchft" on CPU workers (every sharding group a
+        Ray Train run: with M >= 2 the other groups train on through a failure instead of every
+        worker restarting; with M = 1 the group restores from its node holders), "restart" on GPU
+        workers."""
         t = self.train
         if t.fault_tolerance is not None:
             return t.fault_tolerance
-        serves = not t.use_gpu and t.max_failures > 0
+        serves = not t.use_gpu
         return "torchft" if serves else "restart"
 
     @property

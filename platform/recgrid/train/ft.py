@@ -407,12 +407,14 @@ class TorchftReplicas(Replicas):
     """The trainer's replica component under torchft (the module docstring's rounds), for a
     worker of a sharding group of `group_size` workers (the default process group)."""
 
-    rounds_talk = True  # a round's quorum and its commit talk to the other groups: charged to "sync"
-
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: GroupListener,
                  group_size: int = 1, fallback: StorageFallback | None = None,
-                 drain_notice: Callable[[], Any] | None = None, joins: "JoinSignal | None" = None) -> None:
+                 drain_notice: Callable[[], Any] | None = None, joins: "JoinSignal | None" = None,
+                 peers: bool = True) -> None:
         super().__init__(trainer)
+        # a round's quorum and its commit talk to the other sharding groups: charged to "sync"; a job of
+        # one sharding group (M = 1) has none to talk to, and charges no sync
+        self.rounds_talk = peers
         keep_local_gradients(trainer.model)  # `commit` averages the dense gradients
         self.joins = joins  # a sharding group waiting to join: the live groups then meet (`JoinSignal`)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
@@ -566,8 +568,9 @@ class TorchftReplicas(Replicas):
                     sent += self._delayed_moments(optimizer_states(self.trainer.model))
             self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + seconds,
                                                    bytes=sent))
+        seconds = time.perf_counter() - t0 if landing is not None else 0.0  # nothing landed: no replica sync
         self.listener.committed(step, self.live or 1, landing is not None)
-        return time.perf_counter() - t0
+        return seconds
 
     def _delayed_moments(self, states: list[Any]) -> int:
         """Delayed moment sync at a committed sync (`engine.sync.ReplicaSync`'s rule, over the live

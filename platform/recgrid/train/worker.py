@@ -281,7 +281,8 @@ def train_group_worker(cfg: dict) -> None:
                                             trainer=trainer), control, job.recovery, g, s, job.resume_from, holders)
     progress = GroupProgress(control, g, s, trainer, job.checkpoint_every)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
-                                                  drain_notice=ray.train.get_preemption_info, joins=progress)
+                                                  drain_notice=ray.train.get_preemption_info, joins=progress,
+                                                  peers=T > L)
 
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
@@ -302,6 +303,12 @@ def train_group_worker(cfg: dict) -> None:
                            + ("group, which heals from a live peer group" if T > L else
                               "group, which restores from its node holders"))
         raise
+    step, ck = trainer.state.step, fallback.checkpointer
+    if trainer.interrupted and ck.every and replicas.evaluates():
+        # interrupted at a sync step (`Trainer.fit`): the live groups agree, so the writing group makes a checkpoint
+        path = ck.maybe_save(step, force=True) if step % ck.every else ck.path_for(step)
+        if s == 0:
+            report.say(f"interrupted: checkpoint at step {step} written to {path}")
     if snapshotter is not None:
         snapshotter.close()
     if system is not None:
@@ -310,6 +317,9 @@ def train_group_worker(cfg: dict) -> None:
         _leave_at_drain(job, trainer, replicas, fallback, manager, g, s, L)
         return
     manager.shutdown(wait=False)
+    logger = report.report
+    if logger is not None and logger.tracker is not None:  # Ray Data's execution stats of the logging worker's streams
+        logger.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
 
