@@ -219,7 +219,7 @@ def check_startup_peak_memory(a: argparse.Namespace, T: int) -> dict:
 # ---- the device each Ray worker uses ----------------------------------------------------------------
 def _device_report(cfg: dict) -> None:
     """Ray Train worker body: the device recgrid's workers choose (`train.worker.ray_worker_device`,
-    what both the restart and the torchft worker call), against the device Ray assigned to this worker."""
+    what the worker body calls), against the device Ray assigned to this worker."""
     import ray.train
     import ray.train.torch
 
@@ -231,12 +231,16 @@ def _device_report(cfg: dict) -> None:
     row = {"rank": ctx.get_world_rank(), "local_rank": ctx.get_local_rank(), "ours": str(ours),
            "current_device": torch.cuda.current_device(), "ray": str(ray_device),
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    with open(os.path.join(cfg["dir"], f"{cfg['mode']}-{ctx.get_world_rank()}.json"), "w") as f:
+    with open(os.path.join(cfg["dir"], f"{cfg['run']}-{ctx.get_world_rank()}.json"), "w") as f:
         json.dump(row, f)
 
 
 def check_device_matches_ray(a: argparse.Namespace, T: int) -> dict:
-    """Each Ray Train worker computes on the GPU Ray gave it: restart mode and torchft mode."""
+    """Each Ray Train worker computes on the GPU Ray gave it: one run of all T workers, and T runs
+    of one worker side by side (as every sharding group of M = T is a run of its own, whose workers
+    count local ranks apart)."""
+    import threading
+
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -248,23 +252,42 @@ def check_device_matches_ray(a: argparse.Namespace, T: int) -> dict:
     ray.init(num_gpus=T, num_cpus=max(2, T + 1), logging_level="WARNING", include_dashboard=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in ("restart", "torchft"):
-                config = load_config(None, ["data.train=x/*.parquet", "train.use_gpu=true", f"grid.world_size={T}",
-                                            f"grid.num_groups={T}", f"train.fault_tolerance={mode}"])
+            config = load_config(None, ["data.train=x/*.parquet", "train.use_gpu=true", f"grid.world_size={T}",
+                                        f"grid.num_groups={T}"])
+
+            def fit(run: str, workers: int) -> None:
+                TorchTrainer(_device_report, train_loop_config={"dir": tmp, "run": run},
+                             scaling_config=ScalingConfig(num_workers=workers, use_gpu=True,
+                                                          resources_per_worker={"CPU": 1, "GPU": 1}),
+                             torch_config=torch_config(config),
+                             run_config=RunConfig(name=f"gpu-check-{run}", storage_path=tmp)).fit()
+
+            for mode, runs in (("one_run", [("all", T)]), ("run_per_group", [(f"g{g}", 1) for g in range(T)])):
                 try:
-                    TorchTrainer(_device_report, train_loop_config={"dir": tmp, "mode": mode},
-                                 scaling_config=ScalingConfig(num_workers=T, use_gpu=True,
-                                                              resources_per_worker={"CPU": 1, "GPU": 1}),
-                                 torch_config=torch_config(config),
-                                 run_config=RunConfig(name=f"gpu-check-{mode}", storage_path=tmp)).fit()
-                    rows = [json.load(open(os.path.join(tmp, f"{mode}-{r}.json"))) for r in range(T)]
+                    errors: list[BaseException] = []
+
+                    def go(run: str, workers: int) -> None:
+                        try:
+                            fit(run, workers)
+                        except BaseException as e:  # noqa: BLE001 - reported below
+                            errors.append(e)
+
+                    threads = [threading.Thread(target=go, args=r) for r in runs]
+                    for th in threads:
+                        th.start()
+                    for th in threads:
+                        th.join()
+                    if errors:
+                        raise errors[0]
+                    rows = [json.load(open(os.path.join(tmp, f))) for f in sorted(os.listdir(tmp))
+                            if f.endswith(".json") and f.split("-")[0] in {r for r, _ in runs}]
                     wrong = [r for r in rows if r["ours"] != r["ray"] or f"cuda:{r['current_device']}" != r["ray"]]
-                    out[mode] = {"workers": rows, "mismatches": len(wrong)}
+                    out[mode] = {"workers": rows, "mismatches": len(wrong), "devices": len({r["ray"] for r in rows})}
                 except Exception as e:  # noqa: BLE001 - the other mode still runs
                     out[mode] = {"error": f"{type(e).__name__}: {e}"}
     finally:
         ray.shutdown()
-    ok = all(v.get("mismatches") == 0 for v in out.values())
+    ok = all(v.get("mismatches") == 0 for v in out.values()) and out.get("run_per_group", {}).get("devices") == T
     return {"status": "pass" if ok else "fail", **out}
 
 
@@ -290,7 +313,8 @@ def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
                       lighthouse_addr=lighthouse)
     try:
         manager.start_quorum()
-        reps = TorchftReplicas(SimpleNamespace(device=device), manager, heal=None, listener=None)
+        # no model: the probe averages its own tensors (the component turns DDP's all-reduce off in a module)
+        reps = TorchftReplicas(SimpleNamespace(device=device, model=torch.nn.Module()), manager, heal=None, listener=None)
         reps.live = live = manager.num_participants()
         g = torch.Generator().manual_seed(0)
         rows = (torch.rand(1 << 16, generator=g) * 2 - 1).to(torch.float16).to(device)

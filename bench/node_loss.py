@@ -1,4 +1,4 @@
-"""Node loss with `train.fault_tolerance=torchft` under the inter-host layout (issue 15, acceptance 4).
+"""Node loss under the inter-host layout (issue 15, acceptance 4; every sharding group a Ray Train run).
 
 A real multi-node Ray cluster in one process (`ray.cluster_utils.Cluster`): a head that holds no
 worker (it lacks the `worker_slot` resource the workers ask for) and two worker nodes, each with
@@ -61,7 +61,7 @@ def run_case(tmp: Path, name: str, gap_s: float) -> dict:
     config = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=40000",
         f"grid.world_size={shape['world_size']}", f"grid.num_groups={shape['num_groups']}", "grid.sync_every=5",
-        "grid.layout=inter-host", "train.resources_per_worker={worker_slot: 1}", "train.fault_tolerance=torchft",
+        "grid.layout=inter-host", "train.resources_per_worker={worker_slot: 1}",
         "train.max_steps=100000", "train.batch_size=64", "train.log_every=10", "train.max_failures=4",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-node-loss-{name}",
         f"data.row_log={tmp}/rows",
@@ -167,7 +167,7 @@ def main() -> None:
         print(json.dumps(results[name]), file=sys.stderr, flush=True)
     out = {
         "benchmark": "node_loss",
-        "configuration": {"layout": "inter-host", "fault_tolerance": "torchft", "sync_every": 5, "batch_size_per_worker": 64,
+        "configuration": {"layout": "inter-host", "sync_every": 5, "batch_size_per_worker": 64,
                           "cluster": "ray.cluster_utils.Cluster: a head of 1 CPU (no worker slot), two worker nodes of "
                                      "1 CPU and one sharding group's worker slots each",
                           "cases": {k: CASES[k] for k in results}, "gap_s": a.gap},

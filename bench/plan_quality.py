@@ -2,7 +2,7 @@
 runs on) against every fixed sharding type, measured (issue 31, acceptance 1).
 
 The demo's shape (jobs/local_demo.yaml: T = 4, K = 5, 400 steps of 256 rows per worker) with
-failures off (train.max_failures=0, train.fault_tolerance=restart, train.snapshot_every_syncs=0,
+failures off (train.max_failures=0, train.snapshot_every_syncs=0,
 train.checkpoint_every=0), at each M of --groups, for `auto` and each fixed type of --types. Jobs
 run one after another and alternate: round r runs every type once, in an order rotated by r, so a
 shared machine's slow drifts spread over all types. Each job's figure is its median QPS over the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_TYPES = ("table_wise", "column_wise", "row_wise", "table_column_wise")
-FAILURES_OFF = ("train.max_failures=0", "train.fault_tolerance=restart", "train.snapshot_every_syncs=0",
+FAILURES_OFF = ("train.max_failures=0", "train.snapshot_every_syncs=0",
                 "train.checkpoint_every=0")
 BAR = 0.97  # auto's median QPS over the best fixed type's, at every M
 

@@ -1,42 +1,29 @@
-"""Recovery time and snapshot overhead, for restores from peers (in-memory copies) and from
-storage checkpoints, on a tiny model and on a model of about 1 GB of tables.
+"""Recovery under the one fault-tolerance design (every sharding group a Ray Train run of its own),
+and what it costs when nothing fails, on a tiny model and on a model of about 1 GB of tables.
 
-For each model and source, one T=4, M=2, K=5 job on a local Ray cluster has one worker
-SIGKILLed after a few syncs; the seconds from the kill to the first step after the restore are
-split into
-  detection   kill -> Ray Train's controller sees the failure (our callback's clock)
-  restart     -> the new worker group has built its trainer and starts restoring
-  restore     -> the state is back (peer: fetched from the holders; storage: DCP load)
-  first_step  -> the first training step after the restore has finished
-The storage runs keep no in-memory copies (train.snapshot_every_syncs=0), so they must read
-the checkpoint. Snapshot overhead is the time workers spend handing copies to the holders
-(phase `snapshot`, the slowest worker's) over the wall time, measured in the peer runs over the
-logging intervals before the kill but the first (which holds start-up; its snapshot seconds are
-reported apart). Each sending worker's snapshot is one copy of its shard into a shared-memory
-slot file its node's holder owns (train/recovery.py).
-
-The `torchft` source (train.fault_tolerance=torchft, issue 15) runs the same shape with one
-worker SIGKILLed; the other sharding group keeps training. Its seconds from the kill are
+The `torchft` source runs a T=4, M=2, K=5 job on a local Ray cluster with one worker SIGKILLed;
+the other sharding group keeps training. Its seconds from the kill are
   detection   -> Ray Train's controller sees the failure
   replacement -> the replacement worker's training function starts (Ray starts a worker: a
                  process, torch, TorchRec)
   heal        -> the rebuilt group has received a live peer group's state
-  first_step  -> the rebuilt group's first committed step (the issue's figure: `total`)
+  first_step  -> the rebuilt group's first committed step (`total`)
 and the surviving group's QPS during the recovery against as long a span before the failure, at
 T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the final eval NE of a
-fixed-length torchft job with one worker killed against the failure-free run of the same seed, for
-each of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`),
+fixed-length job with one worker killed against the failure-free run of the same seed, for each
+of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`),
 and against a failure-free run stopped at as many rows as the killed job trained (`same_rows`).
 
 The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
-jobs each): every mechanism off, failures allowed (`train.max_failures=2`, the rest derived), and the
-demo as shipped; their wall seconds and median QPS, and each one's QPS over the mechanism-free job's:
-what fault tolerance costs when nothing fails.
+jobs each): every mechanism off (no failure survived, no in-memory snapshot, no storage checkpoint),
+failures allowed (`train.max_failures=2`, the rest derived), and the demo as shipped; their wall
+seconds and median QPS, and each one's QPS over the mechanism-free job's: what fault tolerance
+costs when nothing fails.
 
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
 sources only keeps the other sources' figures already in the file.
 
-    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--sources peer,storage,torchft,failure_free] [--out PATH]
+    .venv/bin/python bench/recovery.py [--models tiny,1gb] [--sources torchft,failure_free] [--out PATH]
 """
 
 from __future__ import annotations
@@ -62,70 +49,6 @@ MODELS = {
     # fp32 weights plus ~0.06 GB of row-wise moments per model copy
     "1gb": ["data.spec=criteo_kaggle", "data.max_rows_per_table=3000000", "model.embedding_dim=16"],
 }
-
-
-def evict_from_page_cache(root: Path) -> int:
-    """Write back and drop the checkpoint's files from this machine's page cache, so the restore
-    reads them from storage as a new node would (not from the RAM of the node that wrote them)."""
-    evicted = 0
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                evicted += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-    return evicted
-
-
-def run_case(tmp: Path, model: str, source: str, kill_after_step: int, cold_storage: bool = True) -> dict:
-    from recgrid.config import load_config
-
-    steps = kill_after_step + 30
-    overrides = [
-        f"data.train={tmp}/data/{model}/train/*.parquet", f"data.eval=[]", "data.synth_rows=120000",
-        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
-        f"train.max_steps={steps}", "train.batch_size=128", "train.log_every=5", "train.max_failures=1",
-        "train.fault_tolerance=restart",  # this job: every worker restarts (torchft: `_torchft_job`)
-        "train.checkpoint_every=10", f"train.storage_path={tmp}/storage/{model}-{source}",
-        f"train.snapshot_every_syncs={1 if source == 'peer' else 0}",
-        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
-        *MODELS[model],
-    ]
-    config = load_config(REPO / "jobs/local_demo.yaml", overrides)
-
-    def evict(kill: dict) -> None:
-        if source == "storage" and cold_storage:
-            kill["evicted_bytes"] = evict_from_page_cache(tmp / "storage" / f"{model}-{source}")
-
-    # kill right after a snapshot/checkpoint step's successor, the same place in every case
-    result, kill = run_with_kill(config, kill_after_step, on_kill=evict)
-    if result.status != "FINISHED" or not result.events:
-        raise RuntimeError(f"{model}/{source}: the job did not recover: {result.status} {result.error}")
-    (e,) = result.events
-    if e["source"] != source:
-        raise RuntimeError(f"{model}/{source}: restored from {e['source']}, expected {source}")
-    figures = {
-        "kill_step": kill["step"], "restored_step": e["step"], "steps_lost": e["steps_lost"],
-        "seconds": {
-            "detection": e["t_failure_detected"] - kill["time"],
-            "restart": e["t_restore_start"] - e["t_failure_detected"],
-            "restore": e["t_restore_end"] - e["t_restore_start"],
-            "first_step": e["t_first_step"] - e["t_restore_end"],
-            "total": e["t_first_step"] - kill["time"],
-        },
-        "verify_s": e.get("verify_s"),
-    }
-    if "evicted_bytes" in kill:
-        figures["storage_read"] = f"cold: {kill['evicted_bytes']:,} bytes of checkpoint dropped from the page cache after the kill"
-    elif source == "storage":
-        figures["storage_read"] = "warm: the checkpoint may be read from the page cache of the machine that wrote it"
-    figures["seconds"] = {k: round(v, 3) for k, v in figures["seconds"].items()}
-    if source == "peer":
-        figures["snapshot_overhead"] = snapshot_overhead(config, result.run_id, kill["step"])
-    return figures
 
 
 def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: int = 4, num_groups: int = 2) -> dict:
@@ -158,8 +81,7 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: in
 # what a failure-free job of the demo's shape runs with, per variant of `run_failure_free`
 FAILURE_FREE = {
     # every mechanism off: no failure survived, no in-memory snapshot, no storage checkpoint
-    "off": ["train.max_failures=0", "train.fault_tolerance=restart", "train.snapshot_every_syncs=0",
-            "train.checkpoint_every=0"],
+    "off": ["train.max_failures=0", "train.snapshot_every_syncs=0", "train.checkpoint_every=0"],
     # failures survived, the rest derived (torchft for this shape, its storage checkpoints)
     "failures_allowed": ["train.max_failures=2"],
     # the demo as shipped (jobs/local_demo.yaml)
@@ -187,7 +109,7 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
                 f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",
                 f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-failure-free-{model}",
                 *MODELS[model], *overrides])
-            paths[name] = {"fault_tolerance": config.fault_tolerance, "snapshot_every_syncs": config.snapshot_every_syncs,
+            paths[name] = {"snapshot_every_syncs": config.snapshot_every_syncs,
                            "checkpoint_every": config.checkpoint_every, "max_failures": config.train.max_failures}
             print(f"[bench] {model}: failure-free, {name}, job {rep + 1}/{reps} ...", file=sys.stderr, flush=True)
             t0 = time.time()
@@ -269,7 +191,7 @@ def _torchft_job(tmp: Path, model: str, overrides: list[str], kill_after_step: i
 
     config = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp}/data/{model}/train/*.parquet", "data.synth_rows=120000",
-        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5", "train.fault_tolerance=torchft",
+        "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
         "train.batch_size=128", "train.log_every=5",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-recovery-{model}",
         *MODELS[model], *overrides,
@@ -317,39 +239,14 @@ def ray_get_stop(actors) -> None:
     ray.get(actors.control.request_stop.remote())
 
 
-def snapshot_overhead(config, run_id: str, before_step: int) -> dict:
-    """Seconds in the snapshot phase per step over the step time, from the run's intervals that
-    ended before the kill (the slowest worker's, as the job waits for it)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=config.tracking.tracking_uri)
-
-    def series(name: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(run_id, name) if m.step <= before_step}
-
-    snap, interval, steps = series("time/snapshot_s_max"), series("time/interval_s"), series("train/step_time_s")
-    every = sorted(set(snap) & set(interval) & set(steps))
-    common = every[1:]  # the first interval holds start-up
-    snap_s = sum(snap[s] for s in common)
-    wall = sum(interval[s] for s in common)
-    per = [round(snap[s], 4) for s in common]
-    return {"intervals": len(common), "snapshot_s": round(snap_s, 4), "interval_s": round(wall, 3),
-            "overhead": round(snap_s / wall, 4) if wall else None, "sync_every": config.grid.sync_every,
-            "snapshot_s_per_interval": per, "first_interval_snapshot_s": round(snap[every[0]], 4) if every else None}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,1gb")
-    ap.add_argument("--sources", default="peer,storage,torchft,failure_free",
-                    help="restores from peer and storage (restart path), torchft, and failure_free: both paths' "
-                         "wall seconds and QPS when nothing fails")
+    ap.add_argument("--sources", default="torchft,failure_free",
+                    help="torchft: a killed worker's group rebuilt while the others train; failure_free: wall "
+                         "seconds and QPS when nothing fails")
     ap.add_argument("--failure-free-reps", type=int, default=3, help="failure_free: jobs per variant")
-    ap.add_argument("--kill-after-step", type=int, default=41,
-                    help="kill once the job passed this step (the snapshot overhead is measured over the intervals before it)")
-    ap.add_argument("--warm-storage", action="store_true",
-                    help="leave the checkpoint in the page cache (default: drop it after the kill, so the storage "
-                         "restore reads storage, as a replacement node would)")
+    ap.add_argument("--kill-after-step", type=int, default=41, help="kill once the job passed this step")
     ap.add_argument("--torchft-shapes", default="4x2,6x3",
                     help="T x M of the torchft jobs (the first is reported as `torchft`, the others as `torchft_T<T>_M<M>`)")
     ap.add_argument("--quality-seeds", type=int, default=3,
@@ -374,18 +271,16 @@ def main() -> None:
 
     def save() -> dict:
         """Write what has been measured so far (a case that fails keeps the ones before it)."""
-        for r in results.values():
-            if "peer" in r and "storage" in r:
-                r["peer_over_storage_restore"] = round(r["peer"]["seconds"]["restore"] / r["storage"]["seconds"]["restore"], 4)
+        for r in results.values():  # the restart path's figures: that path is gone
+            for key in ("peer", "storage", "peer_over_storage_restore"):
+                r.pop(key, None)
         out = {
             "benchmark": "recovery",
             "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
-                              "batch_size_per_worker": 128, "checkpoint_every": 10, "snapshot_every_syncs": 1,
+                              "batch_size_per_worker": 128,
                               "models": {m: MODELS[m] for m in results}, "killed": "one worker (rank 1), SIGKILL",
-                              "torchft": "train.fault_tolerance=torchft: the other sharding groups keep training "
-                                         "(T x M: each result's world_size and num_groups)",
-                              "storage_read": "warm (page cache)" if a.warm_storage else "cold (checkpoint dropped from the page cache after the kill)",
-                              "goals": {"peer_over_storage_restore_at_1gb": 0.25, "snapshot_overhead_at_k5": 0.05}},
+                              "torchft": "every sharding group a Ray Train run: the other groups keep training "
+                                         "(T x M: each result's world_size and num_groups)"},
             "machine": machine_info(),
             "results": results,
         }
@@ -401,12 +296,7 @@ def main() -> None:
                     save()
                     continue
                 if source != "torchft":
-                    print(f"[bench] {model}: restore from {source} ...", file=sys.stderr, flush=True)
-                    results.setdefault(model, {})[source] = run_case(tmp, model, source, a.kill_after_step,
-                                                                     not a.warm_storage)
-                    print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
-                    save()
-                    continue
+                    raise SystemExit(f"--sources: unknown source {source!r}; the sources are torchft and failure_free")
                 for i, shape in enumerate(x for x in a.torchft_shapes.split(",") if x):
                     t, m = (int(x) for x in shape.split("x"))
                     key = "torchft" if i == 0 else f"torchft_T{t}_M{m}"

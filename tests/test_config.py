@@ -176,21 +176,6 @@ def test_readme_config_table_is_the_generated_one() -> None:
         "docs/reference.md's config table is stale: paste the output of `python -m recgrid.config`"
 
 
-@pytest.mark.parametrize("sharding", ["table_row_wise", "grid_shard"])
-def test_elastic_jobs_refuse_sharding_types_that_span_the_whole_world(data_dir, sharding) -> None:
-    # T=4, M=2, L=2, elastic down to 2: an attempt may get 3 workers and sideline one
-    base = ["data.train=data/train-0.tsv", "grid.world_size=4", "grid.num_groups=2", f"model.sharding={sharding}"]
-    with pytest.raises(ConfigError, match=r"^model\.sharding: .*elastic.*sidelines ranks"):
-        load_config(None, base + ["grid.min_world_size=2", "train.fault_tolerance=restart"])
-    assert not load_config(None, base + ["grid.min_world_size=2"]).sidelines_ranks  # a run per sharding group
-    fixed = load_config(None, base)  # a fixed size never sidelines a rank
-    assert not fixed.sidelines_ranks
-    every_count_whole = load_config(None, base[:2] + ["grid.num_groups=4", f"model.sharding={sharding}",
-                                                      "grid.min_world_size=2"])  # L = 1
-    assert not every_count_whole.sidelines_ranks
-    assert load_config(None, base[:3] + ["grid.min_world_size=2", "train.fault_tolerance=restart"]).sidelines_ranks
-
-
 def test_run_params_log_each_config_key_once_and_name_derived_values_apart():
     """A run's params are the config's keys, each once, plus `config.DERIVED_PARAMS` (named so
     that no config key has the same name): no `num_groups` beside `grid.num_groups`."""
@@ -239,7 +224,7 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
     assert every("train.max_steps=5") == 1
     assert every("train.max_steps=400", "train.checkpoint_every=0") == 0  # none, explicitly
     assert every("train.max_steps=400", "train.checkpoint_every=15") == 15
-    assert every("grid.world_size=2", "grid.num_groups=2", "train.max_steps=200", "train.fault_tolerance=torchft") == 20
+    assert every("grid.world_size=2", "grid.num_groups=2", "train.max_steps=200") == 20
     assert every("model.towers=2") == 0
     # a K sweep (`recgrid compare`) keeps a valid cadence for every K; a written one must be a multiple
     assert every("grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100") == 9
@@ -251,26 +236,18 @@ def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> Non
         load_config(None, [*base, "train.checkpoint_every=-5"])
 
 
-def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -> None:
-    """train.fault_tolerance null: torchft for every CPU job, whatever else it uses (logged
-    resolved); restart on GPUs."""
+def test_the_retired_fault_tolerance_keys_are_refused_with_a_sentence(data_dir, tmp_path) -> None:
+    """One fault-tolerance design: an old config that names `train.fault_tolerance` (or the restart
+    path's `train.resize_check_s`) fails naming the key, the file, and why, in a file and in --set."""
     base = ["data.train=data/train-*.tsv", "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5"]
-
-    def path(*o: str) -> str:
-        cfg = load_config(None, [*base, *o])
-        assert cfg.run_params()["train.fault_tolerance"] == cfg.fault_tolerance
-        return cfg.fault_tolerance
-
-    assert load_config(None, base).train.fault_tolerance is None
-    assert path("train.max_failures=2") == "torchft"
-    assert path() == "torchft"  # no failure survived: a failed group's run then fails the job
-    assert path("train.max_failures=2", "grid.num_groups=1") == "torchft"  # restored from its node holders
-    assert path("train.max_failures=2", "train.use_gpu=true") == "restart"  # TorchRec's pipelined loop on GPUs
-    assert path("train.max_failures=2", "grid.min_world_size=2") == "torchft"  # elastic by whole sharding groups
-    assert path("train.max_failures=2", "grid.delayed_moment_sync=true") == "torchft"
-    assert path("train.max_failures=2", "model.towers=2") == "torchft"  # DMT inside each sharding group's run
-    assert path("train.max_failures=2", "train.fault_tolerance=restart") == "restart"
-    assert path("train.max_failures=0", "train.fault_tolerance=torchft") == "torchft"
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  train: data/train-*.tsv\ntrain:\n  fault_tolerance: restart\n")
+    with pytest.raises(ConfigError, match=r"^train\.fault_tolerance in .*old\.yaml: no longer a setting: recgrid "
+                                          r"has one fault-tolerance design: .*delete the key$"):
+        load_config(old)
+    with pytest.raises(ConfigError, match=r"^train\.resize_check_s in --set: no longer a setting: .*delete the key$"):
+        load_config(None, [*base, "train.resize_check_s=5"])
+    assert not any("fault_tolerance" in k for k in load_config(None, base).run_params())
 
     def snapshots(*o: str) -> int:  # in-memory snapshots only where one can ever be read
         cfg = load_config(None, [*base, *o])
@@ -278,10 +255,9 @@ def test_fault_tolerance_defaults_to_torchft_where_it_serves_the_job(data_dir) -
         return cfg.snapshot_every_syncs
 
     assert snapshots() == 0  # the demo: no failure survived, nothing restores
-    assert snapshots("train.max_failures=2", "train.fault_tolerance=restart") == 1
-    assert snapshots("train.max_failures=2") == 0  # torchft heals from live peer groups
+    assert snapshots("train.max_failures=2") == 0  # a rebuilt group heals from a live peer group
     assert snapshots("train.max_failures=2", "grid.num_groups=1") == 1  # ... but at M = 1 there is none
     assert snapshots("train.snapshot_every_syncs=3") == 3
     # torchft's quorum waits for grid.min_world_size / L live groups (one when null)
-    assert load_config(None, [*base, "train.fault_tolerance=torchft", "grid.min_world_size=4"]).min_groups == 2
-    assert load_config(None, [*base, "train.fault_tolerance=torchft"]).min_groups == 1
+    assert load_config(None, [*base, "grid.min_world_size=4"]).min_groups == 2
+    assert load_config(None, base).min_groups == 1

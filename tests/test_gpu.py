@@ -217,9 +217,12 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
     eval_data = EvalData(ev, SPEC, BATCH, rank, T)
 
     def fit(trainer, stop_at=None, snaps=None):
-        rec = {"rows": {}, "loss": {}, "digest": {}, "evals": []}
+        rec = {"rows": {}, "loss": {}, "digest": {}, "evals": [], "uncommitted": []}
 
         def on_step(t, out, batch):
+            if not out.committed:  # a round that did not commit (`SkipRounds`): its batch is consumed
+                rec["uncommitted"].append(out.step)
+                return
             rec["rows"][t.state.step] = batch.row_ids.tolist()
             rec["loss"][t.state.step] = float(out.loss)
 
@@ -268,9 +271,38 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
     restored = fit(p)
     a.close()
     p.close()
-    return {"plain": plain, "stopped": stopped, "went_on": went_on, "restored": restored,
+    # rounds that do not commit (as a torchft round whose collective failed), in both loops
+    skipped = {}
+    for pipeline in (False, True):
+        t = Trainer.build(grid, engine, torch.device("cpu"), pipeline=pipeline)
+        t.replicas = SkipRounds(t, SKIPPED_ROUNDS)
+        skipped[pipeline] = fit(t)
+        t.close()
+    return {"plain": plain, "stopped": stopped, "went_on": went_on, "restored": restored, "skipped": skipped,
             "pipelined": (a.pipelined, p.pipelined), "pipeline_left": p._pipeline,
             "timer": type(p.metrics.timer).__name__}
+
+
+SKIPPED_ROUNDS = (3, 9)  # the rounds (batches consumed, from 1) that `SkipRounds` does not commit
+
+
+def SkipRounds(trainer, skipped):
+    """The grid's replica component, but the rounds numbered in `skipped` do not commit, and its
+    rounds charge "sync" as torchft's do (`rounds_talk`)."""
+    from recgrid.train.trainer import Replicas
+
+    class _SkipRounds(Replicas):
+        rounds_talk = True
+
+        def __init__(self) -> None:
+            super().__init__(trainer)
+            self.rounds = 0
+
+        def commit(self, step: int) -> bool:
+            self.rounds += 1
+            return self.rounds not in skipped
+
+    return _SkipRounds()
 
 
 def _run_probe() -> dict:
@@ -356,6 +388,21 @@ def test_pipelined_loop_counts_steps_rows_and_syncs_as_the_plain_loop(gloo_resul
         for s, ne in plain["evals"]:
             assert evals[s] == pytest.approx(ne, rel=1e-6)
     assert gloo_results[0]["fit"]["plain"]["rows"] != gloo_results[1]["fit"]["plain"]["rows"]  # disjoint parts
+
+
+def test_pipelined_loop_consumes_an_uncommitted_rounds_batch_as_the_plain_loop(gloo_results):
+    """The pipeline's optimizer step is the round's commit: a round that does not commit consumes its
+    batch without a step (no dense update, no count), in the pipelined loop as in the plain one."""
+    for r in (g["fit"] for g in gloo_results):
+        plain, pipe, base = r["skipped"][False], r["skipped"][True], r["plain"]
+        assert plain["uncommitted"] == pipe["uncommitted"] == [SKIPPED_ROUNDS[0], SKIPPED_ROUNDS[1] - 1]
+        assert sorted(pipe["rows"]) == list(range(1, STEPS + 1)) and pipe["step"] == STEPS
+        assert pipe["rows"] == plain["rows"] and pipe["cursor"] == plain["cursor"]
+        assert pipe["rows"][SKIPPED_ROUNDS[0]] == base["rows"][SKIPPED_ROUNDS[0] + 1]  # the skipped batch is gone
+        for s, loss in pipe["loss"].items():
+            assert abs(loss - plain["loss"][s]) <= 1e-6, s
+        for s, d in pipe["digest"].items():
+            assert d == pytest.approx(plain["digest"][s], rel=1e-6), s
 
 
 def test_run_reads_only_what_it_trains_and_matches_the_plain_loop(gloo_results):

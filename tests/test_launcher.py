@@ -1,17 +1,10 @@
 """The platform end to end: `recgrid train` on a real local Ray cluster with synthetic data,
-read back through the MLflow client; invalid configs fail before any worker starts.
-
-Chaos on the same cluster (issue 7, acceptance 2): the M=2 job again, T=4, K=5, with two
-workers SIGKILLed at random steps after the first sync. It finishes in its one MLflow run, both
-times restored from in-memory copies (no storage read), restored shards equal to their copies
-bit for bit, the same rows trained at the same steps as the M=2 run that never failed (none
-skipped), at most K steps' worth trained twice per recovery, and the same final eval NE."""
+read back through the MLflow client; invalid configs fail before any worker starts. (Failures,
+recoveries and elastic groups are tests/test_torchft.py's and tests/test_recovery_nodes.py's.)"""
 
 import collections
 import io
 import os
-import random
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults import CHAOS_SEED_ENV, BackgroundJob, chaos_seed, planned_rows, row_audit, row_log_step, training
+from faults import BackgroundJob
 from recgrid.train import recovery
 from recgrid.config import load_config
 
@@ -39,18 +32,16 @@ def _job(tmp: Path, uri: str, groups: int, extra: list[str] = ()):
     ])
 
 
-K, T, B = 5, 4, 128
 QR_HEAD = ["model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_operation=mult", "model.head_rows=64"]
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, mlflow_server, shared_ray):
-    """One job with M=2 (QR-compressed with a head cache, as the chaos job it is the failure-free
-    run of), a job that fails on a bad row and the chaos job, on the suite's shared
-    local Ray cluster (the M=1 baseline of the same job is in tests/test_compare.py). The M=2 job
-    logs to the suite's real `mlflow server` (basic auth, as on k8s), its workers authenticating
-    with the env vars the Ray pods get (`shared_ray`); the others to a SQLite store. They run side
-    by side, as jobs share a cluster, with the elastic sit-out job as a fourth."""
+    """One job with M=2 (QR-compressed with a head cache) and a job that fails on a bad row, side by
+    side on the suite's shared local Ray cluster, as jobs share a cluster (the M=1 baseline of the
+    same job is in tests/test_compare.py). The M=2 job logs to the suite's real `mlflow server`
+    (basic auth, as on k8s), its workers authenticating with the env vars the Ray pods get
+    (`shared_ray`); the other to a SQLite store."""
     tmp = tmp_path_factory.mktemp("launcher")
     uri = f"sqlite:///{tmp}/mlflow.db"
     os.environ["RECGRID_RUNS_DIR"] = str(tmp / "runs")
@@ -62,76 +53,34 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     lines = [good] * 16
     lines[1] = good.replace("0a1b2c3d", "NOT-HEX!", 1)  # line 2: in the first worker's first batches
     (bad / "day_0").write_text("\n".join(lines) + "\n")
-    # the chaos job's model is QR-compressed with a head cache (RecScale issue, acceptance 2): its q, r
-    # and h shards are snapshotted and restored as any; the head ids are counted once, by the driver
-    chaos_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-chaos", f"data.row_log={tmp}/rows-chaos",
-                                    "train.max_failures=2", "train.fault_tolerance=restart", "train.checkpoint_every=20",
-                                    *QR_HEAD, *SIDE_BY_SIDE])
-    # the chaos job's failure-free twin (which writes no storage checkpoint: it tests no restore)
-    twin_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
+    # the M=2 job's model is QR-compressed with a head cache; the head ids are counted once, by the driver
+    m2_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
     failed_cfg = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
         "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
         "train.batch_size=1", f"tracking.tracking_uri={uri}", "tracking.experiment=test-launcher-failed",
         *SIDE_BY_SIDE])
-    # the elastic sit-out job: T=4, M=2 (L=2) elastic down to 2, where only 3 of its workers fit
-    sit_cfg = _job(tmp, uri, 2, ["tracking.experiment=test-sit-out", f"data.row_log={tmp}/rows-sit-out",
-                                  "train.fault_tolerance=restart",
-                                  f"train.storage_path={tmp}/storage-sit-out", "grid.min_world_size=2",
-                                  f"train.resources_per_worker={{memory: {_room_for(3)}}}", "train.max_steps=10",
-                                  "train.checkpoint_every=5", "data.eval=[]", *SIDE_BY_SIDE])
-    seed = chaos_seed()  # whom and when to kill: replay a failing run with RECGRID_CHAOS_SEED
-    kills = []
     printed = _ThreadOutput(sys.stdout)
     sys.stdout = printed
     try:
-        # the jobs run side by side on the cluster (a job alone leaves the machine's cores idle
-        # while it waits on Ray: starting workers, detecting a death); the sit-out and chaos jobs
-        # start once the twin trains
-        twin = BackgroundJob(twin_cfg)
+        m2_job = BackgroundJob(m2_cfg)
         failed_job = BackgroundJob(failed_cfg)
-        twin.wait_for(lambda s: training(s, 0))  # it made the data the others read (once, alone)
-        sit_out = BackgroundJob(sit_cfg)
-        rng = random.Random(seed)
-        job = BackgroundJob(chaos_cfg)
-        # each kill lands once the victim's row log shows step `at` (a step or so past it): the
-        # job's heartbeat would lag it by up to a second, about 15 steps here
-        for attempt, (low, high) in enumerate(((K + 1, 20), (30, 45))):
-            at, rank = rng.randint(low, high), rng.randrange(T)  # after the first sync
-            st = job.wait_for(lambda s: training(s, attempt))
-            pid = st["attempts"][attempt]["workers"][rank]["pid"]
-            while (step := row_log_step(tmp / "rows-chaos", attempt, rank)) < at:
-                assert job.thread.is_alive(), job.result
-                time.sleep(0.01)
-            os.kill(pid, signal.SIGKILL)
-            kills.append({"attempt": attempt, "step": step, "rank": rank, "pid": pid})
-        chaos, m2, failed, sat = job.join(), twin.join(), failed_job.join(), sit_out.join()
+        m2, failed = m2_job.join(), failed_job.join()
     finally:
         sys.stdout = printed.out
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    M2.update(printed=printed.of(twin.thread), server=mlflow_server)
-    CHAOS.update(config=chaos_cfg, result=chaos, kills=kills, seed=seed, baseline=m2,
-                 rows=(tmp / "rows-M2", tmp / "rows-chaos"))
-    SIT_OUT.update(config=sit_cfg, result=sat, rows=tmp / "rows-sit-out", storage=tmp / "storage-sit-out")
+    M2.update(printed=printed.of(m2_job.thread), server=mlflow_server, config=m2_cfg)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     return client, m2, failed
 
 
-CHAOS: dict = {}
-SIT_OUT: dict = {}
-M2: dict = {}  # what the M=2 job printed, and the server it logged to
+M2: dict = {}  # what the M=2 job printed, the server it logged to, and its config
 
 
-def _room_for(workers: int) -> int:
-    """Bytes of Ray's `memory` resource per worker so that the cluster's node holds `workers` of
-    them (a logical resource: nothing else here asks for it), whatever its CPUs."""
-    import ray
-
-    return int(ray.cluster_resources()["memory"] / (workers + 0.5))
-# the jobs of `two_runs` run at once on the 3-CPU cluster (13 workers): a tenth of a CPU per worker
+# the jobs of `two_runs` run at once on the 3-CPU cluster (5 workers): a tenth of a CPU per worker
 # leaves Ray Data's read tasks of all of them room, and every attempt's start finds a read task's share free
 SIDE_BY_SIDE = ["train.cpus_per_worker=0.1"]
 
@@ -282,142 +231,30 @@ def test_failed_job_marks_its_run_failed(two_runs):
 
 
 # ---- chaos (issue 7, acceptance 2) ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chaos(two_runs):
-    client = two_runs[0]
-    return client, CHAOS
-
-
-def _replay(c: dict) -> str:
-    """A chaos failure's message: the kill seed that replays it, and the kills it drew."""
-    return f"kill seed {c['seed']} (replay: {CHAOS_SEED_ENV}={c['seed']}), kills {c['kills']}"
-
-
-def test_chaos_job_finishes_in_one_run_with_two_peer_recoveries(chaos):
-    client, c = chaos
-    cfg, r = c["config"], c["result"]
-    note = _replay(c)
-    assert r.status == "FINISHED", (r.error, note)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    assert len(client.search_runs([exp.experiment_id])) == 1  # restarts attach to the same run
-    run = client.get_run(r.run_id)
-    assert run.info.status == "FINISHED"
-    assert [e["source"] for e in r.events] == ["peer", "peer"], note  # memory, never storage
-    assert run.data.tags["recovery/source/1"] == run.data.tags["recovery/source/2"] == "peer"
-    assert [m.value for m in client.get_metric_history(r.run_id, "recovery/count")] == [1, 2]
-    lost = [m.value for m in client.get_metric_history(r.run_id, "recovery/steps_lost")]
-    assert len(lost) == 2 and all(0 <= x <= K for x in lost), lost
-    seconds = [m.value for m in client.get_metric_history(r.run_id, "recovery/seconds")]
-    print(f"chaos recoveries: sources {[e['source'] for e in r.events]}, steps lost {lost}, seconds {seconds}")
-    assert all(m.value > 0 for m in client.get_metric_history(r.run_id, "recovery/seconds"))
-    for e, kill in zip(r.events, c["kills"]):
-        # restored to the newest sync at or before the last step the job reached (the status read
-        # before the kill may lag the kill by a few steps: the restore is not older than K before it)
-        assert e["step"] % K == 0 and e["failure_step"] - K <= e["step"] <= e["failure_step"], (e, note)
-        assert e["step"] >= kill["step"] - K, (e, note)
-    for name in ("train/loss", "train/qps", "eval/ne"):  # nothing logged twice for one step
-        steps = [m.step for m in client.get_metric_history(r.run_id, name)]
-        assert len(steps) == len(set(steps)), name
-
-
-def test_chaos_jobs_head_cache_is_counted_once_and_recorded(chaos, tmp_path):
+def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
     """The QR job's head ids: one count over the training files by the driver, recorded as an
-    artifact (every attempt's workers get them from the driver), and its embedding bytes those of
-    the compressed tables (the uncompressed M=2 job's: the full ones)."""
-    import numpy as np
+    artifact (every sharding group's workers get them from the driver), and its embedding bytes
+    those of the compressed tables."""
+    from recgrid.data.specs import embedding_bytes, get_spec
 
-    from recgrid.data.specs import embedding_bytes
-    from recgrid.data.specs import get_spec
+    from mlflow.tracking import MlflowClient
 
-    client, c = chaos
-    r, cfg = c["result"], c["config"]
-    heads = np.load(client.download_artifacts(r.run_id, "compression/head_ids.npz", str(tmp_path)))
+    r, cfg = two_runs[1], M2["config"]
+    old = {k: os.environ.get(k) for k in M2["server"].client_env()}
+    os.environ.update(M2["server"].client_env())
+    try:
+        client = MlflowClient(M2["server"].url)
+        heads = np.load(client.download_artifacts(r.run_id, "compression/head_ids.npz", str(tmp_path)))
+        got = client.get_run(r.run_id).data.metrics["memory/embedding_bytes"]
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     compressed = [f"C{f + 1}" for f, rows in enumerate(get_spec("tiny").table_rows) if rows > 2000]
     assert sorted(heads.files) == sorted(compressed) and all(len(heads[f]) == 64 for f in compressed)
     comp = cfg.compression().with_heads({int(f[1:]) - 1: heads[f] for f in heads.files})
     spec = cfg.dataset_spec()
-    got = client.get_run(r.run_id).data.metrics["memory/embedding_bytes"]
     assert got == embedding_bytes(spec, 16, compression=comp) < 0.6 * embedding_bytes(spec, 16)  # 8 of 26 tables
-    assert c["baseline"].metrics["memory/embedding_bytes"] == got  # the same files: the same head ids
     assert embedding_bytes(spec, 16) == sum(spec.table_rows) * 16 * 4  # uncompressed: every row, fp32
-
-
-def test_chaos_restored_shards_equal_their_copies_bit_for_bit(chaos):
-    _, c = chaos
-    for e in c["result"].events:
-        shards = e["shards"]
-        assert len(shards) == T
-        for s in shards:
-            assert s["digest"] == s["source_digest"], _replay(c)  # restored == the copy held in memory
-            assert s["via"] == "shared memory"  # the node's slot file, mapped: no object-store copy
-        for j in (0, 1):  # every member of a replica group holds the same bits
-            assert len({s["digest"] for s in shards if s["shard"] == j}) == 1, _replay(c)
-        assert e["replicas_identical_after_sync"] is True, _replay(c)
-    # the holders' shared-memory slot files went with the job
-    assert not os.path.exists(recovery._job_dir(c["result"].run_id))
-
-
-def test_chaos_trains_every_row_once_but_the_rolled_back_steps(chaos):
-    _, c = chaos
-    want, _ = row_audit(c["rows"][0])
-    got, redone = row_audit(c["rows"][1])
-    max_steps = c["config"].train.max_steps
-    assert sorted(got) == sorted(want) == list(range(1, max_steps + 1)), _replay(c)
-    restored = {e["step"] for e in c["result"].events}
-    for step in want:  # the same rows at the same steps as the run that never failed: none skipped
-        if step in restored and len(got[step]) == len(want[step]) - B:
-            # the killed worker finished this step (its update is in the restored copy, which a
-            # replica peer sent) but died before appending the step to its row log
-            assert np.isin(got[step], want[step]).all(), (step, _replay(c))
-            continue
-        assert np.array_equal(got[step], want[step]), (step, _replay(c))
-    for attempt in (0, 1):  # rolled back and trained again: at most K steps of T x B rows
-        assert 0 <= redone[attempt] <= K * T * B, (redone, _replay(c))  # 0 when the kill came right after a snapshot
-    print(f"chaos (seed {c['seed']}): kills {c['kills']}; restored at steps "
-          f"{[e['step'] for e in c['result'].events]}; rows trained twice per recovery {redone} (limit {K * T * B})")
-
-
-def test_chaos_quality_equals_the_run_without_failures(chaos):
-    _, c = chaos
-    base, r = c["baseline"], c["result"]
-    assert base.status == "FINISHED" and not base.events
-    assert abs(r.metrics["eval/ne"] - base.metrics["eval/ne"]) <= 0.01, _replay(c)
-    print(f"chaos eval NE {r.metrics['eval/ne']:.6f}, without failures {base.metrics['eval/ne']:.6f}")
-    assert r.metrics["eval/examples"] == base.metrics["eval/examples"] == 8000
-
-
-def test_chaos_survivors_were_restarted_by_ray_train(chaos):
-    """Ray Train v2 restarts the whole worker group: no process of an attempt survives into the
-    next (recorded for the note; in-memory restores are what keep the cost low)."""
-    _, c = chaos
-    pids = [{w["pid"] for w in a["workers"].values()} for a in c["result"].attempts]
-    assert len(pids) == 3
-    print(f"worker pids per attempt: {[sorted(p) for p in pids]}")
-    assert not (pids[0] & pids[1]) and not (pids[1] & pids[2])
-
-
-# ---- elastic sit-out -------------------------------------------------------------------------------------
-def test_a_worker_past_the_last_whole_sharding_group_sits_out_and_joins_the_checkpoints(two_runs):
-    """T=4, M=2 (L=2), elastic down to 2, on a cluster with room for 3 of its workers: the attempt
-    gets 3, one whole sharding group of 2 trains (M'=1) and the third sits out. It trains nothing,
-    yet joins Ray Train's report of every storage checkpoint (the job would hang at the first one
-    otherwise) and the job's end; the two train exactly the rows the epoch plan gives two workers."""
-    from recgrid.train.checkpoint import checkpoint_name
-    from recgrid.train.rows import read_row_logs
-
-    client = two_runs[0]
-    cfg, r = SIT_OUT["config"], SIT_OUT["result"]
-    assert r.status == "FINISHED", r.error
-    assert [a["world_size"] for a in r.attempts] == [3] and not r.events
-    assert [m.value for m in client.get_metric_history(r.run_id, "grid/world_size")] == [2]
-    assert [m.value for m in client.get_metric_history(r.run_id, "grid/num_groups")] == [1]
-    assert sorted(read_row_logs(str(SIT_OUT["rows"]))) == [(0, 0), (0, 1)]  # the worker sitting out trained no row
-    got, _ = row_audit(SIT_OUT["rows"])
-    want = planned_rows(cfg, 2, cfg.train.max_steps)
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[s], want[s]) for s in want)
-    # both checkpoints written (by the two) and reported to Ray Train (by all three)
-    written = sorted(p.parent.name for p in SIT_OUT["storage"].rglob(".metadata"))
-    assert written == [checkpoint_name(5), checkpoint_name(10)], written
 
 
 # ---- on the shared cluster, without a training job ----------------------------------------------------------
@@ -469,62 +306,6 @@ def test_a_driver_killed_with_sigkill_leaves_no_snapshot_files_once_the_next_job
         ray.kill(coordinator)
 
 
-def test_a_restart_from_step_0_says_so_in_the_log_and_the_run(shared_ray, tmp_path):
-    """A restart that finds no in-memory copy and no storage checkpoint (here: a job that wrote
-    none, train.checkpoint_every=0) starts again from step 0, and says so: in the driver's log
-    (the line the logging worker hands job control) and in the run, as a recovery of source
-    `fresh` with its reason. Real actors, a real one-rank gloo group, a real MLflow store."""
-    import types
-
-    import torch.distributed as dist
-    from mlflow.tracking import MlflowClient
-
-    from recgrid.engine.grid import Grid
-    from recgrid.tracking import Tracker
-    from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.control import JobControl
-    from recgrid.train.worker import Reporter
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    tracker = Tracker("test-fresh-restart", uri)
-    tracker.start("fresh")
-    control = JobControl.remote()
-    coordinator = recovery.RecoveryCoordinator.remote(tracker.run_id)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        grid = Grid(1, 1)
-        groups = grid.build_process_groups("cpu")
-        import ray
-
-        ray.get(control.begin_attempt.remote(1))
-        ray.get(control.heartbeat.remote(37))  # the first attempt trained to step 37, then failed
-        attempt = ray.get(control.begin_attempt.remote(1))
-        node = ray.get_runtime_context().get_node_id()
-        trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=0))  # fresh: nothing is loaded into it
-        job = types.SimpleNamespace(run_id=tracker.run_id, tracking_uri=uri,
-                                    loop=types.SimpleNamespace(max_steps=80))
-        report = Reporter(job, trainer, control, coordinator, attempt, lambda values, step: None)
-        restored = recovery.Recovery(coordinator, control, grid, groups, [node], attempt).restore(
-            trainer, Checkpointer(every=0), None, None, say=report.say)
-        assert (restored.source, restored.step) == ("fresh", 0) and restored.event == 0
-        report.started(restored, grid)
-        report.step(1)
-        lines = ray.get(control.console.remote(0))[0]
-        assert any("training starts again from step 0" in line and "train.checkpoint_every is 0" in line
-                   for line in lines), lines
-        (event,) = ray.get(coordinator.status.remote())["events"]
-        assert (event["source"], event["step"], event["steps_lost"]) == ("fresh", 0, 37)
-        run = MlflowClient(uri).get_run(tracker.run_id)
-        assert run.data.tags["recovery/source/1"] == "fresh"
-        assert "training starts again from step 0" in run.data.tags["recovery/why/1"]
-        assert run.data.metrics["recovery/count"] == 1 and run.data.metrics["recovery/steps_lost"] == 37
-    finally:
-        dist.destroy_process_group()
-        for actor in (control, coordinator):
-            ray.kill(actor)
-        tracker.finish()
-
-
 def _first_quorum(trainer, control, coordinator, resume_from: str):
     """A sharding group of one worker at its first quorum under torchft (`train.ft`), alone with a
     real lighthouse: what it restored, what it said, and its manager's step after."""
@@ -564,7 +345,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
        object store, and a restore from them is the trainer's state, bit for bit;
     2. a slot file corrupted after it was written is caught by the checksum it was written with
        before the restore uses it: the copy is dropped and the older complete generation restored,
-       and the log and the recovery event say so;
+       and the restore's detail (the recovery event's) says so;
     3. `train.resume_from`, as a sharding group's first quorum reads it (`train.ft`: a real torchft
        manager and lighthouse): no storage checkpoint of its own job, so it loads another run's and
        continues at its step exactly as the run that wrote it continued."""
@@ -580,6 +361,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     from recgrid.launch.smoke import random_batches
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.control import JobControl
+    from recgrid.train.ft import StorageFallback
     from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec("tiny")
@@ -609,13 +391,11 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         return control, coordinator, trainer, states, said
 
     def restore(control, coordinator):
+        """A rebuilt group of M = 1 at its first quorum: the holders' snapshot (`train.ft.StorageFallback`)."""
         attempt = ray.get(control.begin_attempt.remote(1))
         fresh = Trainer.build(grid, engine, torch.device("cpu"))
-        said: list[str] = []
-        restored = recovery.Recovery(coordinator, control, grid, fresh.groups, [node], attempt).restore(
-            fresh, Checkpointer(every=0), None, None, say=said.append)
-        events = ray.get(coordinator.status.remote())["events"]
-        return fresh, restored, said, events
+        holders = recovery.Recovery(coordinator, grid, fresh.groups, [node], attempt)
+        return fresh, StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0, holders=holders).restore(fresh)
 
     def same(trainer, state) -> bool:
         shard, dense = state
@@ -633,10 +413,10 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         assert any("refusing this snapshot directory" in line and "object store" in line for line in said), said
         holder = ray.get(coordinator.holder_for.remote(node))
         assert ray.get(holder.files.remote()) == [] and isinstance(ray.get(holder.get.remote(4, "shard/0")), list)
-        fresh, restored, _, events = restore(control, coordinator)
+        fresh, restored = restore(control, coordinator)
         trainers.append(fresh)
-        assert (restored.source, restored.step) == ("peer", 4) and same(fresh, states[4])
-        (shard,) = events[-1]["shards"]
+        assert (restored["source"], restored["step"]) == ("holder", 4) and same(fresh, states[4])
+        (shard,) = restored["shards"]
         assert shard["via"] == "object store" and shard["digest"] == shard["source_digest"]
 
         # 2. a corrupted slot file
@@ -649,12 +429,12 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
             first = f.read(1)
             f.seek(0)
             f.write(bytes([first[0] ^ 0x01]))
-        fresh, restored, said, events = restore(control, coordinator)
+        fresh, restored = restore(control, coordinator)
         trainers.append(fresh)
-        assert (restored.source, restored.step) == ("peer", 2) and same(fresh, states[2])  # the older generation
-        assert [c.split(":")[0] for c in events[-1]["corrupt"]] == [f"shard/0@4 on node {node[:12]}"]
-        assert any("corrupted copies dropped" in line and "shard/0@4" in line for line in said), said
-        assert events[-1]["shards"][0]["digest"] == events[-1]["shards"][0]["source_digest"]
+        assert (restored["source"], restored["step"]) == ("holder", 2) and same(fresh, states[2])  # the older generation
+        assert [c.split(":")[0] for c in restored["corrupt"]] == [f"shard/0@4 on node {node[:12]}"]
+        assert "corrupted copies dropped" in restored["detail"] and "shard/0@4" in restored["detail"]
+        assert restored["shards"][0]["digest"] == restored["shards"][0]["source_digest"]
 
         # 3. train.resume_from: another run's checkpoint (b's, at step 4), then the same 4 steps as b
         path = Checkpointer(root=str(tmp_path / "ckpt")).save(b)

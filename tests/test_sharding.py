@@ -11,7 +11,7 @@ from recgrid.data.specs import get_spec
 from recgrid.engine.grid import Grid
 from recgrid.engine.model import ModelSpec, build_model
 from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
-from recgrid.engine.sharding import WHOLE_WORLD_TYPES, auto_types, make_plan, remap_plan, sharding_summary
+from recgrid.engine.sharding import make_plan, remap_plan, sharding_summary
 
 FUSED = MomentScaledRowWiseAdagrad(lr=0.05, eps=1e-8, moment_scale=1).fused_params()
 GiB = 2**30
@@ -85,11 +85,3 @@ def test_cuda_plan_without_device_memory_says_so():
         make_plan(_big_tables(), Grid(2, 1), "cuda", FUSED, "auto")
 
 
-# ---- elastic jobs ---------------------------------------------------------------------------------
-def test_auto_leaves_whole_world_types_out_when_ranks_may_be_sidelined():
-    assert set(WHOLE_WORLD_TYPES) <= set(auto_types()) and not set(WHOLE_WORLD_TYPES) & set(auto_types(True))
-    model = build_model(get_spec("tiny"), ModelSpec())
-    elastic = sharding_summary(make_plan(model, Grid(4, 2), "cpu", FUSED, "auto", may_sideline=True))
-    assert not any(v.split("@")[0] in WHOLE_WORLD_TYPES for v in elastic.values())
-    with pytest.raises(ValueError, match="sidelines ranks"):
-        make_plan(model, Grid(4, 2), "cpu", FUSED, "table_row_wise", may_sideline=True)

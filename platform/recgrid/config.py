@@ -8,7 +8,7 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
 properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`,
-`snapshot_every_syncs`, `fault_tolerance`, `run_name`) from the
+`snapshot_every_syncs`, `run_name`) from the
 dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
 `c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
@@ -36,7 +36,7 @@ from recgrid.engine.device import GPU_PRECISIONS, PRECISIONS, default_precision
 from recgrid.engine.grid import LAYOUTS, Grid, GridError
 from recgrid.engine.model import ARCHS, EMBEDDING_DTYPES, GPU_EMBEDDING_DTYPES, default_dense_arch
 from recgrid.engine.optimizer import DENSE_OPTIMIZERS, moment_scale_for
-from recgrid.engine.sharding import SHARDINGS, WHOLE_WORLD_TYPES
+from recgrid.engine.sharding import SHARDINGS
 from recgrid.engine.srp import ROW_WISE_EXCHANGES, SPARSE_SHARDINGS
 from recgrid.engine.towers import TOWER_MODULES, TowerConfig, TowerError, TowerLayout
 
@@ -61,7 +61,7 @@ class GridConfig:
     delayed_moment_sync: bool = False
     """Sync optimizer states one sync interval behind the weights, as the TorchRec team reports works best."""
     min_world_size: int | None = None
-    """Elastic jobs: the fewest workers the job goes on with after losing capacity, a multiple of L = T / M (it trains M' = n // L sharding groups, no resharding, and grows back when capacity returns); null = T, a fixed size. With train.fault_tolerance=torchft every job is elastic by whole sharding groups (each one a Ray Train run: it leaves when its workers fail or its node is drained, and comes back, healed from a live peer group, when there is room for it), and this is the fewest workers that train (the quorum waits for min_world_size / L groups); null = L, one group."""
+    """The fewest workers that train, a multiple of L = T / M: every job is elastic by whole sharding groups (each one a Ray Train run: it leaves when its workers fail or its node is drained, and comes back, healed from a live peer group, when there is room for it; no resharding, a shard's identity is its position inside a sharding group), and the live groups' quorum waits for min_world_size / L of them; null = L, one group."""
 
     def __call__(self) -> Grid:
         """`cfg.grid()`: the `recgrid.grid.Grid` of this section (same as `JobConfig.build_grid()`)."""
@@ -161,19 +161,15 @@ class TrainConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each worker asks for besides its CPUs (and GPU), e.g. {trainer_node: 0.25} to keep the workers on the nodes that offer that custom resource (Ray Data's read tasks ask for none of them, so they may run on any node with CPUs); names are Ray resource names, amounts > 0; CPUs and GPUs are set by train.cpus_per_worker and train.use_gpu."""
     max_failures: int = 0
-    """Worker failures the job survives (Ray Train's FailureConfig); each restores from in-memory copies of the shards, else the storage checkpoint; with train.fault_tolerance=torchft, failures each sharding group survives (every group is a Ray Train run of its own); 0 = fail on the first."""
-    fault_tolerance: Literal["restart", "torchft"] | None = None
-    """How a worker failure is survived: "restart" = Ray Train restarts every worker, which restore from in-memory copies of the shards, else the storage checkpoint; "torchft" = the other sharding groups keep their processes and keep training while the failed worker's sharding group is restarted (every sharding group is a Ray Train run of its own: Ray Train restarts that run's L workers) and healed from a live peer group; with no live group left, the node holders' in-memory snapshot (M = 1), else the storage checkpoint (every group lost), else train.resume_from; a group whose node is drained (Ray's drain API, preemption) leaves at its next replica sync and comes back where there is room. null = derived: torchft for every CPU job (with train.max_failures=0 a failed group's run fails the job; at M = 1 the group restores from its node holders), restart on GPU workers (they keep restart's pipelined loop until torchft has been checked on GPUs)."""
+    """Worker failures each sharding group survives (every group is a Ray Train run of its own, whose FailureConfig this is: Ray Train restarts the group's L workers, which heal from a live peer group, else restore from the node holders, the storage checkpoint or train.resume_from); 0 = fail on the first (the group's run fails, and the job with it)."""
     snapshot_every_syncs: int | None = None
-    """In-memory snapshots of every shard, kept by a holder actor per node for recovery from replica-group peers: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job that survives failures (train.max_failures > 0) on the restart path or under torchft with M = 1, else 0 (a job that can never restore takes none, and torchft with M >= 2 heals from live peer groups, not from snapshots; it takes them only at M = 1)."""
+    """In-memory snapshots of every shard, kept by a holder actor per node, read when a sharding group is rebuilt and no live peer group can heal it: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job of one sharding group (M = 1) that survives failures (train.max_failures > 0), else 0 (a job that can never restore takes none, and with M >= 2 a rebuilt group heals from a live peer group, not from snapshots)."""
     checkpoint_every: int | None = None
-    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no in-memory copy of a shard survives (M = 1 and a node lost, or a host-local replica group's node); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a restart that finds no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. With train.fault_tolerance=torchft the live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
+    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no live sharding group is left to heal from and no in-memory copy survives (M = 1 and a node lost, or under host-local the node that holds shard s of every group); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a group rebuilt with no live peer and no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. The live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
     storage_path: str | None = None
     """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
     """A storage checkpoint directory to start from, written by a job with the same model at any M or L (it is resharded); null = start fresh."""
-    resize_check_s: float = 60.0
-    """Elastic jobs: seconds between checks for regained capacity (Ray Train's elastic_resize_monitor_interval_s)."""
 
 
 @dataclass
@@ -271,13 +267,6 @@ class JobConfig:
                 raise ConfigError(
                     f"grid.min_world_size: must be a multiple of L = T / M = {L} between {L} and T={g.world_size} "
                     f"(whole sharding groups), got {g.min_world_size}")
-        if self.sidelines_ranks and self.model.sharding in WHOLE_WORLD_TYPES:
-            raise ConfigError(
-                f"model.sharding: {self.model.sharding} cannot run in an elastic job (grid.min_world_size="
-                f"{g.min_world_size} < T={g.world_size} with L > 1): an attempt whose worker count is not a multiple "
-                f"of L sidelines ranks, and TorchRec builds this type's process groups over every rank with a "
-                f"barrier the sidelined ones never enter, so the attempt hangs; use row_wise or auto (which leaves "
-                f"{' and '.join(WHOLE_WORLD_TYPES)} out for elastic jobs), or a fixed size")
         try:
             self.build_grid()
         except GridError as e:
@@ -368,7 +357,6 @@ class JobConfig:
         if t.snapshot_every_syncs is not None:
             _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
         self._check_checkpoints()
-        _positive("train.resize_check_s", t.resize_check_s)
         if t.resume_from is not None and "://" not in t.resume_from:
             if not (Path(t.resume_from) / ".metadata").is_file():
                 raise ConfigError(f"train.resume_from: {t.resume_from} is not a storage checkpoint directory "
@@ -440,17 +428,8 @@ class JobConfig:
 
     # ---- derived values -------------------------------------------------------------------------
     @property
-    def sidelines_ranks(self) -> bool:
-        """Whether an attempt may get a worker count that is not a multiple of L and sideline the
-        workers past its last whole sharding group: an elastic job (grid.min_world_size < T) with L > 1."""
-        g = self.grid
-        return (g.min_world_size is not None and g.min_world_size < g.world_size and g.num_groups < g.world_size
-                and self.fault_tolerance == "restart")  # under torchft every sharding group is a run of its own
-
-    @property
     def min_groups(self) -> int:
-        """train.fault_tolerance=torchft: the fewest live sharding groups that train
-        (`grid.min_world_size` / L; one when null)."""
+        """The fewest live sharding groups that train (`grid.min_world_size` / L; one when null)."""
         g = self.grid
         return (g.min_world_size or g.world_size // g.num_groups) // (g.world_size // g.num_groups)
 
@@ -504,25 +483,12 @@ class JobConfig:
     @property
     def snapshot_every_syncs(self) -> int:
         """Replica syncs between in-memory snapshots: `train.snapshot_every_syncs`, or when null 1
-        where a snapshot can ever be read (failures survived, on the restart path or, under torchft,
-        with M = 1: no live peer group can serve), else 0."""
+        where a snapshot can ever be read (failures survived with M = 1: no live peer group can
+        serve), else 0."""
         t = self.train
         if t.snapshot_every_syncs is not None:
             return t.snapshot_every_syncs
-        no_peer = self.fault_tolerance == "restart" or self.grid.num_groups == 1
-        return 1 if t.max_failures > 0 and no_peer else 0
-
-    @property
-    def fault_tolerance(self) -> str:
-        """`train.fault_tolerance`, or when null: "torchft" on CPU workers (every sharding group a
-        Ray Train run: with M >= 2 the other groups train on through a failure instead of every
-        worker restarting; with M = 1 the group restores from its node holders), "restart" on GPU
-        workers."""
-        t = self.train
-        if t.fault_tolerance is not None:
-            return t.fault_tolerance
-        serves = not t.use_gpu
-        return "torchft" if serves else "restart"
+        return 1 if t.max_failures > 0 and self.grid.num_groups == 1 else 0
 
     @property
     def moment_scale(self) -> float:
@@ -548,7 +514,7 @@ class JobConfig:
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
         derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every,
-        snapshot_every_syncs, fault_tolerance, run_name) carry it."""
+        snapshot_every_syncs, run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
@@ -558,7 +524,6 @@ class JobConfig:
                 "train.precision": self.precision,
                 "train.checkpoint_every": self.checkpoint_every,
                 "train.snapshot_every_syncs": self.snapshot_every_syncs,
-                "train.fault_tolerance": self.fault_tolerance,
                 "tracking.run_name": self.run_name,
             })
         return flat
@@ -629,12 +594,28 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(f"{key}: unknown section in --set{_did_you_mean(section, SECTIONS)}; "
                               f"valid sections: {', '.join(SECTIONS)}")
         valid = _field_names(SECTIONS[section])
+        if key in RETIRED_KEYS:
+            raise _retired(key, " in --set")
         if not dot or name not in valid:
             raise ConfigError(f"{key}: unknown key in --set{_did_you_mean(name, valid, section + '.')}; "
                               f"valid keys in {section}: {', '.join(valid)}")
         raw.setdefault(section, None)
         raw[section] = {**(raw[section] or {}), name: _parse_scalar(text)}
     return JobConfig.from_dict(raw, source=source, check_paths=check_paths)
+
+
+RETIRED_KEYS: dict[str, str] = {
+    "train.fault_tolerance": "recgrid has one fault-tolerance design: every sharding group is a Ray Train run of "
+                             "its own, restarted alone and healed from a live peer group (README, \"Failures and "
+                             "restarts\"); delete the key",
+    "train.resize_check_s": "every sharding group's run waits for room on its own and joins the live groups when "
+                            "it starts, so there is no resize to check for; delete the key",
+}
+"""Keys that configs once had, and why each is refused now (an old config fails with the sentence)."""
+
+
+def _retired(key: str, where: str) -> ConfigError:
+    return ConfigError(f"{key}{where}: no longer a setting: {RETIRED_KEYS[key]}")
 
 
 def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
@@ -648,6 +629,8 @@ def _check_keys(raw: Mapping[str, Any], source: str | None) -> None:
             raise ConfigError(f"{name}: must be a mapping of fields{where}, got {values!r}")
         valid = _field_names(SECTIONS[name])
         for key in values or {}:
+            if f"{name}.{key}" in RETIRED_KEYS:
+                raise _retired(f"{name}.{key}", where)
             if key not in valid:
                 raise ConfigError(f"{name}.{key}: unknown key{where}{_did_you_mean(str(key), valid, name + '.')}; "
                                   f"valid keys in {name}: {', '.join(valid)}")

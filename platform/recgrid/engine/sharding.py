@@ -31,18 +31,6 @@ SHARDINGS: tuple[str, ...] = ("auto", *MODEL_PARALLEL_TYPES)
 # What "auto" lets the planner pick from: table-column-wise only when asked for (see
 # _check_table_column_wise); column-wise and table-wise cover what it would do here.
 AUTO_TYPES: tuple[str, ...] = tuple(t for t in MODEL_PARALLEL_TYPES if t != "table_column_wise")
-# Types whose TorchRec process groups (`intra_and_cross_node_pg_2D`) are sized from the GLOBAL
-# world and built with a barrier on the default group: an elastic attempt that sidelines the
-# workers past its last whole sharding group hangs in them (the sidelined ranks never enter).
-WHOLE_WORLD_TYPES: tuple[str, ...] = ("table_row_wise", "grid_shard")
-
-
-def auto_types(may_sideline: bool = False) -> tuple[str, ...]:
-    """The sharding types "auto" chooses from: without the whole-world types when ranks may be
-    sidelined (an elastic job with L > 1)."""
-    return tuple(t for t in AUTO_TYPES if not (may_sideline and t in WHOLE_WORLD_TYPES))
-
-
 @functools.cache
 def _sharder_class() -> type:
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -75,7 +63,7 @@ def grid_sharder(fused_params: dict[str, Any]):
 
 
 def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_params: dict[str, Any],
-              sharding: str = "auto", hbm_cap: int | None = None, may_sideline: bool = False) -> "ShardingPlan":
+              sharding: str = "auto", hbm_cap: int | None = None) -> "ShardingPlan":
     """The sharding plan of ONE sharding group (world size L), in shard ranks 0..L-1.
 
     Needs no process group: the driver makes it once per job, records it, and every worker of
@@ -84,9 +72,7 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
     and sharding give the same plan in every process, whatever its hash seed.
 
     `hbm_cap`: bytes of memory per GPU the planner may fill (CUDA only; TorchRec's own default is
-    32 GiB whatever the GPU); None = this process's CUDA device's memory. `may_sideline`: the job
-    is elastic with L > 1, so an attempt may sideline ranks; "auto" then leaves out the
-    whole-world types (`WHOLE_WORLD_TYPES`) and naming one is refused.
+    32 GiB whatever the GPU); None = this process's CUDA device's memory.
     """
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -94,10 +80,7 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
 
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
-    if may_sideline and sharding in WHOLE_WORLD_TYPES:
-        raise ValueError(f"sharding {sharding} cannot run while an elastic attempt sidelines ranks (TorchRec "
-                         f"builds its groups over the whole world); use row_wise or auto")
-    choices = [sharding] if sharding != "auto" else list(auto_types(may_sideline))
+    choices = [sharding] if sharding != "auto" else list(AUTO_TYPES)
     if device_type == "cuda" and hbm_cap is None:
         hbm_cap = device_memory_bytes()
     constraints = {

@@ -7,13 +7,13 @@ plan (once per job: every restart replays it), counts the training rows, starts 
 actors, which outlive every worker group (job control, `train.control`: attempts, stop,
 heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
 translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
-`LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train's `TorchTrainer` with
-`train.worker.train_worker` as their body (under torchft one run per sharding group, side by
-side, with `train_group_worker`, and the job's torchft lighthouse in this process), through
-`train.entry` (light to import: Ray Train's controller unpickles it). When Ray Train is done it
-closes the run and prints the summary. What runs on the workers lives in `train/`.
+`LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train: one `TorchTrainer` run
+per sharding group, side by side, with `train.worker.train_group_worker` as their body and the
+job's torchft lighthouse in this process, through `train.entry` (light to import: Ray Train's
+controller unpickles it). When Ray Train is done it closes the run and prints the summary. What
+runs on the workers lives in `train/`.
 
-Under torchft the sharding groups' runs are owned by one small actor of the job (`GroupRuns`, on
+The sharding groups' runs are owned by one small actor of the job (`GroupRuns`, on
 this node), so the driver can end them: a run that Ray Train restarted after a node loss or a
 drain waits for room, and when the other groups have finished the job (or one run's failures are
 spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
@@ -80,7 +80,7 @@ class JobActors:
 
 
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
-RUNS_END_GRACE_S = 10.0  # torchft: after the job's training ended, how long its groups' runs get to end on their own
+RUNS_END_GRACE_S = 10.0  # after the job's training ended, how long its groups' runs get to end on their own
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
 
@@ -236,8 +236,8 @@ def worker_resources(config: JobConfig) -> dict[str, float]:
 
 def placeable_groups(config: JobConfig) -> int:
     """How many of the job's sharding groups the cluster's nodes hold (from what each alive node
-    offers, `train.placement.cluster_slots`), at most M: under torchft the first quorum waits for
-    these, and a group with no room joins when there is."""
+    offers, `train.placement.cluster_slots`), at most M: the first quorum waits for these, and a
+    group with no room joins when there is."""
     from recgrid.train.placement import cluster_slots
 
     grid = config.build_grid()
@@ -255,8 +255,8 @@ def check_cluster(config: JobConfig) -> None:
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
     total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
     T = config.grid.world_size
-    # torchft: the sharding groups the nodes hold start (the others join when there is room)
-    workers = placeable_groups(config) * config.build_grid().group_size if config.fault_tolerance == "torchft" else T
+    # the sharding groups the nodes hold start (the others join when there is room)
+    workers = placeable_groups(config) * config.build_grid().group_size
     taken = workers * config.train.cpus_per_worker
     who = f"T={T}" if workers == T else f"{workers} starting"
     check_room_for_data(total - taken, f"the {who} workers would reserve {taken:g} of the cluster's {total:g} CPUs "
@@ -296,7 +296,7 @@ def job_plan(config: JobConfig, engine: Any = None) -> Any:
     if engine.sharding == "auto":
         return job_sharding_plan(config, model, hbm_cap=hbm_cap)
     return make_plan(model, grid, device_type_for(config.train.use_gpu), engine.embedding_optimizer(grid.num_groups).fused_params(),
-                     engine.sharding, hbm_cap=hbm_cap, may_sideline=config.sidelines_ranks)
+                     engine.sharding, hbm_cap=hbm_cap)
 
 
 def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
@@ -357,18 +357,17 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     """Plan, count rows, start the job's actors and Ray Train; returns their record
     of attempts and recovery events. Raises `Interrupted` when `interrupts` stopped the job."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import GROUP_RUN_PLACEMENT, PLACEMENT_STRATEGY, record_ranks
+    from recgrid.train.placement import GROUP_RUN_PLACEMENT, record_ranks
     from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
-    from recgrid.train.checkpoint import CHECKPOINTS_KEPT
     from recgrid.train.trainer import EngineConfig, LoopConfig
-    from recgrid.train.entry import pack, restart_worker, torchft_worker
+    from recgrid.train.entry import group_worker, pack
     from recgrid.train.ft import Lighthouse, bind_host
     from recgrid.train.worker import WorkerJob
 
@@ -390,7 +389,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
-    lighthouse = owner = None  # torchft: made below, ended in the finally whatever fails before training
+    lighthouse = owner = None  # made below, ended in the finally whatever fails before training
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
@@ -398,9 +397,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         if on_start is not None:
             on_start(actors)
         t = config.train
-        torchft = config.fault_tolerance == "torchft"
-        # torchft: the job's lighthouse, in this process (it outlives every sharding group's run)
-        lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups) if torchft else None
+        # the job's torchft lighthouse, in this process (it outlives every sharding group's run)
+        lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups)
         job = WorkerJob(
             engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
             max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
@@ -409,58 +407,39 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
             rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
             snapshot_every_syncs=config.snapshot_every_syncs,
-            lighthouse=lighthouse.address if lighthouse is not None else None,
+            lighthouse=lighthouse.address,
             min_groups=config.min_groups, start_groups=placeable_groups(config),
         )
-        low = config.grid.min_world_size
-        workers = grid.world_size if low is None or low == grid.world_size else (low, grid.world_size)
 
         def run_config(name: str) -> Any:
             return RunConfig(name=name, storage_path=storage_path(config),
                              failure_config=FailureConfig(max_failures=t.max_failures),
-                             # storage checkpoints (every job writes them by default): only the newest are kept
-                             checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
                              callbacks=[FailureClock(actors.control)])
 
         name = f"{config.run_name}-{tracker.run_id[:8]}"
         backend = torch_config(config)
-        if torchft:
-            # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
-            # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
-            trainers = [TorchTrainer(
-                train_loop_per_worker=torchft_worker, train_loop_config={**pack(job), "group": g},
-                scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
-                                             resources_per_worker=worker_resources(config),
-                                             placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
-                torch_config=backend, run_config=run_config(f"{name}-group{g}"))
-                for g in range(grid.num_groups)]
-        else:
-            trainers = [TorchTrainer(
-                train_loop_per_worker=restart_worker,
-                train_loop_config=pack(job),  # bytes: Ray Train's controller need not import TorchRec (train/entry.py)
-                scaling_config=ScalingConfig(
-                    num_workers=workers,
-                    use_gpu=t.use_gpu,
-                    resources_per_worker=worker_resources(config),
-                    # what the layout needs, placed afresh on the live nodes at every attempt (train/placement.py);
-                    # the workers check where they landed
-                    placement_strategy=PLACEMENT_STRATEGY[grid.layout],
-                    **({"elastic_resize_monitor_interval_s": t.resize_check_s} if isinstance(workers, tuple) else {}),
-                ),
-                torch_config=backend, run_config=run_config(name))]
+        # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
+        # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
+        trainers = [TorchTrainer(
+            train_loop_per_worker=group_worker,
+            train_loop_config={**pack(job), "group": g},  # bytes: the controller need not import TorchRec (train/entry.py)
+            scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
+                                         resources_per_worker=worker_resources(config),
+                                         placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
+            torch_config=backend, run_config=run_config(f"{name}-group{g}"))
+            for g in range(grid.num_groups)]
+        low = config.min_groups
         say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
             f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
-            + (f", elastic down to T={low}" if isinstance(workers, tuple) else "")
-            + ((", torchft: each sharding group a Ray Train run; the other groups keep training while a failed one "
-                "is restarted and healed from a live peer group" if grid.num_groups > 1 else
-                ", torchft: the sharding group is a Ray Train run, restarted on a failure and restored from its "
-                "in-memory snapshots on the node holders") if torchft else ""))
-        # torchft: the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
-        owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote() if torchft else None
-        fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) if owner is not None else tr.fit
-                for tr in trainers]
-        _fit_watched(fits, console, interrupts or Interrupts(), actors.control,
-                     end_runs=(lambda: ray.kill(owner)) if owner is not None else None)
+            + (f", down to {low} live sharding group(s)" if 1 < low < grid.num_groups else "")
+            + (", each sharding group a Ray Train run; the other groups keep training while a failed one is "
+               "restarted and healed from a live peer group" if grid.num_groups > 1 else
+               ", the sharding group a Ray Train run, restarted on a failure and restored from its in-memory "
+               "snapshots on the node holders" if t.max_failures and config.snapshot_every_syncs else ""))
+        # the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
+        owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote()
+        fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) for tr in trainers]
+        _fit_watched(fits, console, interrupts or Interrupts(), actors.control, end_runs=lambda: ray.kill(owner))
     except Interrupted:
         at_once = True
         raise
@@ -490,15 +469,15 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
 
 
 def _fit_watched(fits: list[Any], console: "Console", interrupts: "Interrupts", control: Any,
-                 end_runs: Any = None) -> None:
+                 end_runs: Any) -> None:
     """Each run's fit (`fits`: one call each that returns when its Ray Train run has ended) in a
-    thread of its own (Ray Train then leaves SIGINT to this process; under torchft one run per
-    sharding group, side by side), while this thread prints the workers' lines and answers
-    interrupts: the first asks the workers to stop at their next sync step; a second, or
-    `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that failed (its Ray Train
-    failures spent) fails the job, with its error. With `end_runs` (torchft: it ends every run
-    still going), the runs left `RUNS_END_GRACE_S` after the job's training ended (a group waiting
-    for room after a drain or a node loss) are ended, and a failed run ends the others at once."""
+    thread of its own (Ray Train then leaves SIGINT to this process; one run per sharding group,
+    side by side), while this thread prints the workers' lines and answers interrupts: the first
+    asks the workers to stop at their next sync step; a second, or `STOP_GRACE_S` without them
+    stopping, raises `Interrupted`. A run that failed (its Ray Train failures spent) fails the job,
+    with its error. `end_runs` ends every run still going: the runs left `RUNS_END_GRACE_S` after
+    the job's training ended (a group waiting for room after a drain or a node loss) are ended,
+    and a failed run ends the others at once."""
     errors: list[BaseException] = []
     ended = threading.Event()
 
@@ -521,7 +500,7 @@ def _fit_watched(fits: list[Any], console: "Console", interrupts: "Interrupts", 
             for th in threads:
                 th.join(CONSOLE_POLL_S / len(threads))
             console.pump()
-            if end_runs is not None and not ended.is_set():
+            if not ended.is_set():
                 if over_at is None and time.monotonic() - polled >= 1.0:
                     polled = time.monotonic()
                     over_at = polled if _training_over(control) else None
@@ -563,7 +542,7 @@ def _raise_returned(error: BaseException | None) -> None:
 
 
 class GroupRunsImpl:
-    """The owner of a torchft job's sharding-group runs (module docstring): each `fit` call runs one
+    """The owner of a job's sharding-group runs (module docstring): each `fit` call runs one
     Ray Train run to its end and returns its error, if any. Ending this actor ends every run it still
     holds (their controllers are its children)."""
 
@@ -654,7 +633,7 @@ class Interrupts:
 
 def torch_config(config: JobConfig) -> Any:
     """Ray Train's torch backend of every run of the job: one process group over the run's
-    workers (all T, or under torchft one sharding group's L), gloo on CPUs and NCCL on GPUs."""
+    workers (one sharding group's L), gloo on CPUs and NCCL on GPUs."""
     from ray.train.torch import TorchConfig
 
     from recgrid.engine.device import device_type_for, process_group_backend

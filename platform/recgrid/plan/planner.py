@@ -111,30 +111,26 @@ def embedding_module(module: Any) -> tuple[str, Any]:
     return found[0]
 
 
-def auto_sharding_types(may_sideline: bool = False) -> tuple[str, ...]:
+def auto_sharding_types() -> tuple[str, ...]:
     """The sharding types `auto` searches: the planner's, less those the engine leaves out of
-    "auto" (`engine.sharding.auto_types`: the whole-world types when ranks may be sidelined)."""
-    from recgrid.engine.sharding import auto_types
+    "auto" (`engine.sharding.AUTO_TYPES`)."""
+    from recgrid.engine.sharding import AUTO_TYPES
 
-    allowed = auto_types(may_sideline)
-    return tuple(t for t in PLAN_SHARDING_TYPES if t in allowed)
+    return tuple(t for t in PLAN_SHARDING_TYPES if t in AUTO_TYPES)
 
 
-def job_candidate(config: Any, module: Any, hbm_cap: int | None = None, profile: CpuProfile | None = None,
-                  may_sideline: bool | None = None) -> Candidate:
+def job_candidate(config: Any, module: Any, hbm_cap: int | None = None, profile: CpuProfile | None = None) -> Candidate:
     """The job's own (M, K, layout) priced and planned: what `auto` runs."""
     grid = config.build_grid()
-    sideline = config.sidelines_ranks if may_sideline is None else may_sideline
     model = job_tables(config, module)
     return evaluate(model, job_cluster(config, hbm_cap, profile), grid.num_groups, config.grid.sync_every,
-                    layout=grid.layout, sharding_types=auto_sharding_types(sideline))
+                    layout=grid.layout, sharding_types=auto_sharding_types())
 
 
-def job_sharding_plan(config: Any, module: Any, hbm_cap: int | None = None, profile: CpuProfile | None = None,
-                      may_sideline: bool | None = None) -> Any:
+def job_sharding_plan(config: Any, module: Any, hbm_cap: int | None = None, profile: CpuProfile | None = None) -> Any:
     """The TorchRec `ShardingPlan` of one sharding group (shard ranks 0..L-1) that a job with
     `model.sharding: auto` runs: `job_candidate`'s placements, for the engine to replay."""
-    candidate = job_candidate(config, module, hbm_cap, profile, may_sideline)
+    candidate = job_candidate(config, module, hbm_cap, profile)
     path, _ = embedding_module(module)
     grid = config.build_grid()
     device = "cuda" if config.train.use_gpu else "cpu"

@@ -1,16 +1,16 @@
 """Storage checkpoints: the trainer's whole state written with `torch.distributed.checkpoint`.
 
 The only code that knows where checkpoints live. A checkpoint is a directory
-`checkpoint_step_<step>` under the job's run directory in Ray Train's storage
-(`RunConfig.storage_path`: a local path, or any pyarrow/fsspec URI on a cluster), reported to
-Ray Train with `ray.train.report(..., checkpoint_upload_mode=NO_UPLOAD)` so Ray's own
-`get_checkpoint()` knows the newest one. Outside Ray Train (the local launcher, tests) the
-same code writes under a plain directory.
+`checkpoint_step_<step>` under the writing sharding group's run directory in Ray Train's storage
+(`RunConfig.storage_path`: a local path, or any pyarrow/fsspec URI on a cluster), written in
+place and not reported to Ray Train (one sharding group writes while the others train, and Ray
+Train's report is a barrier over every worker of a run): the job's recovery coordinator lists
+them (`train.ft.StorageFallback`). Outside Ray Train (the local launcher, tests) the same code
+writes under a plain directory.
 
 `Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps (by default a tenth of
-the job: `JobConfig.checkpoint_every`), and only the attempt's grid writes: the live sharding
-groups, never a worker sitting out an elastic attempt (it joins Ray Train's report with no
-checkpoint). Ray Train keeps the job's `CHECKPOINTS_KEPT` newest and deletes the older ones. What is written is
+the job: `JobConfig.checkpoint_every`); the job keeps its `CHECKPOINTS_KEPT` newest, the caller
+deleting the older ones (`Checkpointer.delete`). What is written is
 the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
 sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
 DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
 
 CHECKPOINT_PREFIX = "checkpoint_step_"
-CHECKPOINTS_KEPT = 2  # a job's newest storage checkpoints kept; Ray Train deletes older ones as new ones complete
+CHECKPOINTS_KEPT = 2  # a job's newest storage checkpoints kept; the writing group deletes older ones (`train.ft.StorageFallback`)
 _STEP = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -241,21 +241,14 @@ class Checkpointer:
     inside it, Ray Train's storage context decides (`ray_storage=True`).
 
     It owns the cadence of a job's checkpoints: given the `trainer` and `every` (steps, a
-    multiple of K; 0: none), the loop calls `maybe_save(step)` after every step.
-    `before_save(step)` runs first on every worker (the workers sitting out an elastic grid join
-    Ray Train's report), `after_save(step, path)` once it is written.
-
-    `reports=False` (torchft's live groups: one sharding group writes while the others train, and
-    Ray Train's report is a barrier over every worker) writes under Ray Train's storage without
-    reporting; the caller keeps the job's CHECKPOINTS_KEPT newest (`delete`).
+    multiple of K; 0: none), the loop calls `maybe_save(step)` after every step;
+    `after_save(step, path)` runs once one is written.
     """
 
     root: str | None = None
     ray_storage: bool = False
-    reports: bool = True
     every: int = 0
     trainer: "Trainer | None" = None
-    before_save: Callable[[int], None] | None = None
     after_save: Callable[[int, str], None] | None = None
 
     def maybe_save(self, step: int, force: bool = False) -> str | None:
@@ -264,8 +257,6 @@ class Checkpointer:
         if not self.every or (step % self.every and not force) or self.trainer is None:
             return None
         with self.trainer.metrics.timer.phase("checkpoint"):
-            if self.before_save is not None:
-                self.before_save(step)
             path = self.save(self.trainer)
         if self.after_save is not None:
             self.after_save(step, path)
@@ -285,9 +276,8 @@ class Checkpointer:
             raise ValueError("no checkpoint root: give Checkpointer(root=...) outside Ray Train")
         return os.path.join(self.root, name) if not _is_uri(self.root) else f"{self.root.rstrip('/')}/{name}"
 
-    def save(self, trainer: "Trainer", metrics: dict[str, float] | None = None) -> str:
-        """Write the trainer's state at its current step (collective over the trainer's workers).
-        Inside Ray Train, also report it so Ray's `get_checkpoint()` returns it after a restart."""
+    def save(self, trainer: "Trainer") -> str:
+        """Write the trainer's state at its current step (collective over the trainer's workers)."""
         import torch.distributed.checkpoint as dcp
 
         step = trainer.state.step
@@ -298,8 +288,6 @@ class Checkpointer:
         dcp.save(trainer.state_dict(), storage_writer=_writer(path), process_group=trainer.groups.global_pg)
         if local is not None:
             _owner_only(local)
-        if self.ray_storage and self.reports:
-            report_checkpoint(path, step, metrics or {})
         return path
 
     @staticmethod
@@ -360,15 +348,3 @@ def read_checkpoint(path: str, state: dict[str, Any], process_group: Any = None)
         if refused:
             raise refused[0] from None
         raise
-
-
-def report_checkpoint(path: str | None, step: int, metrics: dict[str, float]) -> None:
-    """`ray.train.report` a checkpoint already written in place (every worker of the Ray Train
-    group must call it, a worker sitting out an elastic grid too, with path None)."""
-    import ray.train
-    from ray.train import Checkpoint
-    from ray.train.v2.api.report_config import CheckpointUploadMode
-
-    checkpoint = Checkpoint(path) if path is not None else None
-    ray.train.report({"step": step, **metrics}, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step),
-                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)

@@ -1,7 +1,7 @@
 """Ray Train's per-worker entry points, light to import.
 
 Ray Train's controller unpickles the function it is handed and its `train_loop_config`. Handed
-`train.worker.train_worker` and a `WorkerJob` (whose engine config and sharding plan are TorchRec
+`train.worker.train_group_worker` and a `WorkerJob` (whose engine config and sharding plan are TorchRec
 objects), the controller imported torch, TorchRec, FBGEMM and torchmetrics before it asked for a
 single worker: about 4 s of CPU on every job's start path. Here the functions import nothing
 heavy, and the job travels as bytes that only the workers unpickle.
@@ -26,16 +26,8 @@ def _unpack(cfg: dict[str, bytes]) -> dict[str, Any]:
     return {**cfg, "job": cloudpickle.loads(cfg["job"])}
 
 
-def restart_worker(cfg: dict[str, bytes]) -> None:
-    """train.fault_tolerance=restart: `train.worker.train_worker`."""
-    from recgrid.train.worker import train_worker
-
-    train_worker(_unpack(cfg))
-
-
-def torchft_worker(cfg: dict[str, bytes]) -> None:
-    """train.fault_tolerance=torchft: `train.worker.train_group_worker` (one sharding group's run:
-    `cfg["group"]`)."""
+def group_worker(cfg: dict[str, bytes]) -> None:
+    """`train.worker.train_group_worker` (one sharding group's run: `cfg["group"]`)."""
     from recgrid.train.worker import train_group_worker
 
     train_group_worker(_unpack(cfg))

@@ -361,10 +361,13 @@ class StorageFallback:
         if self.shard == 0:
             ray.get(self.coordinator.drop_after.remote(plan["step"]))
         nodes = len({n for ns in plan["where"].values() for n in ns})
+        corrupt = plan.get("corrupt") or []
         return {"source": "holder", "path": "", "step": trainer.state.step, "load_s": time.time() - t0,
-                "at": time.time(), "shards": shards,
+                "at": time.time(), "shards": shards, "corrupt": corrupt,
                 "detail": f"{len(shards)} shard position(s) from the holders of {nodes} node(s), "
-                          f"{sum(s['same_node'] for s in shards)} from the worker's own node"}
+                          f"{sum(s['same_node'] for s in shards)} from the worker's own node"
+                          + (f"; corrupted copies dropped (their checksums changed since they were written): "
+                             f"{'; '.join(corrupt)}" if corrupt else "")}
 
 
 class GroupListener(Protocol):

@@ -44,13 +44,13 @@ Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
 | `eval/positive_rate` | fraction of positive eval labels |
 | `eval/calibration` | mean prediction / mean label over the eval rows |
 | `eval/examples` | eval rows of all workers (sum of weights when weights are given) |
-| `grid/num_groups`, `grid/world_size` | M and T of the worker group training from this step on (logged at every start and restart: an elastic job's M over time) |
-| `recovery/count` | restores so far (from in-memory copies or a storage checkpoint), logged at the first step after each |
-| `recovery/seconds` | seconds from the failure being detected (or the worker group being resized) to the first step after the restore |
-| `recovery/steps_lost` | steps trained before the failure that the restore rolled back (at most K with snapshots at every sync) |
-| tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per restore: `peer` (a live peer group's copy; on the restart path, in-memory copies on the node holders), `holder` (torchft, M = 1: the group's own snapshot on the node holders), `storage`, `resume` (`train.resume_from`) or `fresh` (step 0), the sentence the log printed, and where the shards or the checkpoint came from |
-| `recovery/survivors_qps`, `recovery/survivors_qps_before`, `recovery/survivors_steps` | torchft: the QPS of the sharding groups that kept training while the failed group was rebuilt, their QPS over as long a span before the failure, and the steps they took meanwhile |
-| tag `recovery/kept_training/<n>` | torchft: the sharding groups that kept training through recovery n |
+| `grid/num_groups`, `grid/world_size` | the live sharding groups and their workers from this step on (logged whenever the live count changes: M over time) |
+| `recovery/count` | recoveries so far (a rebuilt sharding group's heal or restore), logged at its first committed step |
+| `recovery/seconds` | seconds from the failure being detected to the rebuilt group's first committed step |
+| `recovery/steps_lost` | the rebuilt group's committed steps that it trains again (0 after a heal from a live peer) |
+| tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per recovery: `peer` (a live peer group's copy), `holder` (M = 1: the group's own snapshot on the node holders), `storage`, `resume` (`train.resume_from`) or `fresh` (step 0), the sentence the log printed, and where the shards or the checkpoint came from |
+| `recovery/survivors_qps`, `recovery/survivors_qps_before`, `recovery/survivors_steps` | the QPS of the sharding groups that kept training while the failed group was rebuilt, their QPS over as long a span before the failure, and the steps they took meanwhile |
+| tag `recovery/kept_training/<n>` | the sharding groups that kept training through recovery n |
 
 The `lookup` phase includes the all-to-all, so a fast worker's wait for the slowest one is
 charged to its lookup time and pulls the ratio toward 1; to see the raw per-worker kernel

@@ -1,24 +1,17 @@
 """Where the workers go: what the job asks Ray for, what the cluster's nodes can hold, and the
 record of where every rank ran.
 
-Ray Train (2.60) asks for one placement group of T equal bundles (one per worker) under one
-placement strategy, and numbers ranks contiguously per node in the order the nodes first appear
-among the bundles. Its public API has no bundle shape per layout that would survive a restart:
-a per-worker `label_selector` naming node ids is fixed for the job's life, so after a node
-loss the restarted workers would wait for the dead node. So the job asks for the strategy whose
-placement the layout needs (`PLACEMENT_STRATEGY`), which Ray applies afresh to every attempt on
-the nodes then alive:
-
-- host-local: PACK fills a node before the next, so with room for a multiple of M workers on
-  each node every replica group sits on one node;
-- inter-host: SPREAD puts the bundles on distinct nodes round-robin, however few CPUs each
-  asks for; with M nodes that can hold workers (or a multiple of M, with room for L workers per
-  sharding group) every sharding group sits on nodes of its own.
+Every sharding group is a Ray Train run of its own (2.60: one placement group of L equal bundles
+under one placement strategy), and Ray places each run on its own, on the nodes alive when it
+starts or restarts. So the job asks each run for the strategy its layout wants of one group
+(`GROUP_RUN_PLACEMENT`): inter-host packs the group's L workers onto as few nodes as hold them,
+host-local spreads them one per node. Which nodes the M runs share is not fixed by this: a
+per-worker `label_selector` naming node ids would be, but it is fixed for the run's life, so a
+run restarted after a node loss would wait for the dead node.
 
 Before any worker starts the driver refuses a cluster that cannot give the layout
-(`Grid.check_cluster` on `cluster_slots`); every attempt's workers check where they really
-landed (`Grid.check_placement`, with `usable_nodes` of the cluster) and fail with a sentence
-instead of training on a layout that does not hold.
+(`Grid.check_cluster` on `cluster_slots`) or would leave Ray Data's read tasks no CPU
+(`check_room_for_data`). `grid/ranks.json` records where every process of the job ran.
 """
 
 from __future__ import annotations
@@ -29,14 +22,8 @@ from typing import Any, Mapping
 
 from recgrid.engine.grid import GridError
 
-PLACEMENT_STRATEGY = {"host-local": "PACK", "inter-host": "SPREAD"}
-"""Ray placement strategy that gives each layout (see the module docstring)."""
-
 GROUP_RUN_PLACEMENT = {"host-local": "SPREAD", "inter-host": "PACK"}
-"""The same for one sharding group's run (train.fault_tolerance=torchft: a Ray Train run per
-sharding group): inter-host packs the group's L workers onto as few nodes as hold them,
-host-local spreads them one per node. Ray places each run on its own, so which nodes the M
-runs share is not fixed by this."""
+"""Ray placement strategy of one sharding group's run, per layout (the module docstring)."""
 
 RANKS_ARTIFACT = "grid/ranks.json"
 
@@ -63,15 +50,6 @@ def cluster_slots(per_worker: Mapping[str, float]) -> dict[str, int]:
     import ray
 
     return node_slots(ray.nodes(), per_worker)
-
-
-def usable_nodes() -> int:
-    """How many alive nodes of the cluster could hold a worker like the calling one (asking
-    what Ray assigned it). Call on a Ray Train worker."""
-    import ray
-
-    mine = ray.get_runtime_context().get_assigned_resources()
-    return sum(1 for s in cluster_slots(mine).values() if s > 0)
 
 
 def rank_records(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,10 +83,3 @@ def check_room_for_data(free_cpus: float, what: str) -> None:
             f"{what}, leaving {free_cpus:g} CPU free, less than the {DEFAULT_NUM_CPUS_PER_TASK:g} CPU a Ray Data "
             f"read task reserves, so training would wait for its data forever; lower train.cpus_per_worker "
             f"or add a node with CPUs")
-
-
-def free_cpus() -> float:
-    """CPUs no task or actor holds now, over the alive nodes of the connected cluster."""
-    import ray
-
-    return float(ray.available_resources().get("CPU", 0.0))

@@ -1,9 +1,10 @@
-"""Recovery: in-memory snapshots of every shard, kept outside the worker group, and the restore
-order that uses them.
+"""Recovery from in-memory snapshots: copies of every shard kept outside the sharding group's
+run, for a group rebuilt with no live peer group to heal from (M = 1: `train.ft.StorageFallback`
+reads them before the storage checkpoint).
 
-2-D sparse parallelism keeps M copies of every shard, one per sharding group; that is what
-makes recovery cheap. Ray Train restarts the whole worker group on any failure, so copies that
-must outlive it live in actors the driver owns:
+2-D sparse parallelism keeps M copies of every shard, one per sharding group, and with M >= 2 a
+rebuilt group heals from a live peer (`train.ft`). With M = 1 Ray Train restarts the job's only
+group's run on a failure, so copies that must outlive it live in actors the driver owns:
 
 - `SnapshotHolder`, one per node (created on the node it serves, owned by the coordinator, which
   the driver owns, so no worker's death takes it along): it keeps the snapshot generations
@@ -53,20 +54,17 @@ else the storage checkpoint, whose docstring says what it drops; the log says wh
 missing). Without delayed moment sync the replicas are identical at a sync, and one copy per
 position is exact.
 
-Restore order, decided by global rank 0 and told to every worker (`Recovery.restore`):
-  1. the newest complete in-memory generation: each worker takes its shard position from its
-     own node's holder if it has one, else from a holder on another node (a peer sharding
-     group's copy), and with delayed moment sync its own group's moments. No storage read.
-     A holder records each copy's checksum (`digest`) as it arrives, and before a restore uses a
-     generation its copies are checked against it: a copy whose bits changed since (a corrupted
-     slot file) is dropped, the log and the run's event say which, and the plan is made without it
-     (another node's copy, an older generation, else the next source below). After the load each
-     worker's restored shard is checked against the same checksum, bit for bit.
-  2. else Ray Train's newest storage checkpoint (some shard has no surviving copy: M = 1 and a
-     node lost, or a host holding whole replica groups in the host-local layout), and the log
-     and the run say so. The choice comes from what the live holders report, not from the layout.
-  3. else `train.resume_from` (a checkpoint of another job, possibly another M or L), else a
-     fresh start.
+What a rebuilt group of M = 1 restores (`train.ft.StorageFallback`, shard rank 0 decides and tells
+its group):
+  1. the newest complete in-memory generation, when it is at least as new as the newest storage
+     checkpoint: each worker takes its shard position from its own node's holder if it has one,
+     else from a holder on another node (`Recovery`). No storage read. A holder records each
+     copy's checksum (`digest`) as it arrives, and before a restore uses a generation its copies
+     are checked against it: a copy whose bits changed since (a corrupted slot file) is dropped,
+     the restore's detail and the run's event say which, and the plan is made without it (another
+     node's copy, an older generation, else the next source below). After the load each worker's
+     restored shard is checked against the same checksum, bit for bit.
+  2. else the job's newest storage checkpoint, else `train.resume_from`, else step 0 (said).
 Work lost is at most the steps since the last snapshot (K steps with snapshots at every sync).
 """
 
@@ -79,7 +77,6 @@ import stat
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -90,7 +87,6 @@ if TYPE_CHECKING:
     import torch
 
     from recgrid.engine.grid import Grid, GridGroups
-    from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.trainer import Trainer
 
 KEEP_GENERATIONS = 2  # the newest complete generation and the one being written
@@ -712,17 +708,6 @@ RecoveryCoordinator = LazyActor(RecoveryCoordinatorImpl)
 
 
 # ---- on every worker ------------------------------------------------------------------------------------
-@dataclass
-class Restored:
-    """How a worker's state came to be: source "peer" (in-memory copies), "storage", "resume"
-    (train.resume_from) or "fresh", and the step it resumes from."""
-
-    source: str
-    step: int
-    detail: str = ""
-    event: int | None = None  # index of the coordinator's event, for rank 0
-
-
 class _WorkerSide:
     """What a worker's snapshotter and its recovery share: the job's actors and where it sits.
 
@@ -888,131 +873,10 @@ class Snapshotter(_WorkerSide):
 
 
 class Recovery(_WorkerSide):
-    """A worker's side of restores: `restore` brings the trainer back (the module docstring's
-    order); after a restore from peers, `maybe_check_replicas(step)` checks at the first replica
-    sync that every member of each replica group holds the same bits, and records it in the event.
-
-    Args (besides `_WorkerSide`'s): control, the job's JobControl (attempts, the last step).
-    """
-
-    def __init__(self, coordinator: Any, control: Any, grid: "Grid", groups: "GridGroups", nodes: Sequence[str],
-                 attempt: int) -> None:
-        super().__init__(coordinator, grid, groups, nodes, attempt)
-        self.control = control
-        self.restored: Restored | None = None
-        self._check: "Trainer | None" = None  # the trainer to check at its first sync after a peer restore
-
-    # ---- restore ------------------------------------------------------------------------------------------
-    def restore(self, trainer: "Trainer", checkpointer: "Checkpointer | None", storage_checkpoint: str | None,
-                resume_from: str | None, say: Any = print) -> Restored:
-        """Bring `trainer` to the newest state that survives (see the module docstring). Collective
-        over the grid; global rank 0 decides, records the event and prints why."""
-        import ray
-        import torch.distributed as dist
-
-        every = checkpointer.every if checkpointer is not None else 0
-        decision: list[Any] = [self._decide(storage_checkpoint, resume_from, every) if self.rank == 0 else None]
-        dist.broadcast_object_list(decision, group=self.groups.global_pg, group_src=0)
-        d = decision[0]
-        if self.rank == 0 and d.get("why"):
-            say(d["why"])
-        t0 = time.time()
-        detail = ""
-        fetched: dict[str, Any] = {}
-        if d["source"] == "peer":
-            fetched = self.restore_from_holders(trainer, d["plan"])
-        elif d["source"] in ("storage", "resume"):
-            assert checkpointer is not None
-            checkpointer.load(trainer, d["path"])
-            detail = d["path"]
-        restore_s = time.time() - t0
-        restored = Restored(d["source"], trainer.state.step, detail)
-        if self.coordinator is None:
-            return restored
-        if self.rank == 0:  # what was written after the restore point is written again
-            ray.get(self.coordinator.drop_after.remote(restored.step))
-        if d["source"] == "fresh" and not d.get("why"):
-            return restored  # the job's first start: nothing to recover
-        event: dict[str, Any] = {
-            "t_restore_start": t0, "t_restore_end": t0 + restore_s, "attempt": self.attempt, "source": d["source"], "step": restored.step, "failure_step": d.get("failure_step"),
-            "restore_s": restore_s, "detail": detail, "num_groups": self.grid.num_groups,
-            "world_size": self.grid.world_size, "missing": d.get("missing", []), "lost_nodes": d.get("lost_nodes", []),
-            "corrupt": d.get("corrupt", []), "why": d.get("why", ""),
-        }
-        if d["source"] == "peer":
-            t1 = time.time()
-            mine = self.verify_restored(trainer, d["plan"]["step"], fetched)
-            shards: list[Any] = [None] * self.grid.world_size
-            dist.all_gather_object(shards, mine, group=self.groups.global_pg)
-            event.update(shards=shards, verify_s=time.time() - t1)
-            restored.detail = "; ".join(sorted({f"shard {s['shard']} from {'this node' if s['same_node'] else 'another node'}"
-                                                 for s in shards}))
-            event["detail"] = restored.detail
-        if self.rank == 0:
-            restored.event = ray.get(self.coordinator.record.remote(event))
-        if d["source"] == "peer" and self.grid.num_groups > 1:
-            self._check = trainer
-        self.restored = restored
-        return restored
-
-    def maybe_check_replicas(self, step: int) -> None:
-        """After a restore from peers, at the first replica sync: every replica-group member's shard
-        digest (collective in the replica group), recorded in the event by global rank 0."""
-        if self._check is None or not self._check.replica_sync.due(step):
-            return
-        digests = self.replica_digests(self._check)
-        self._check = None
-        if self.rank == 0 and self.restored is not None and self.restored.event is not None:
-            self.coordinator.update_event.remote(self.restored.event,
-                                                 {"replicas_identical_after_sync": len(set(digests)) == 1})
-
-    def _decide(self, storage_checkpoint: str | None, resume_from: str | None,
-                checkpoint_every: int = 0) -> dict[str, Any]:
-        """Rank 0's choice of source (the module docstring's order). A restart that finds nothing
-        to restore from says why (`why`: the driver's log and the run's recovery event)."""
-        import ray
-
-        from recgrid.train.checkpoint import checkpoint_step
-
-        if self.coordinator is not None:
-            status = ray.get(self.control.status.remote())
-            failure_step = status["last_step"]  # heartbeats are throttled: at least this far (see below)
-            storage_checkpoint = ray.get(self.coordinator.latest_checkpoint.remote([storage_checkpoint]))
-            plan = ray.get(self.coordinator.restore_plan.remote(self.grid.group_size, self.grid.num_groups))
-            stored_step = checkpoint_step(storage_checkpoint) if storage_checkpoint else None
-            corrupt = plan.get("corrupt") or []
-            dropped = (f"; corrupted copies dropped (their checksums changed since they were written): "
-                       f"{'; '.join(corrupt)}") if corrupt else ""
-            if plan["step"] is not None and (stored_step is None or plan["step"] >= stored_step):
-                failure_step = max(failure_step, plan["step"])  # the job reached every snapshot it holds
-                nodes = len({n for ns in plan["where"].values() for n in ns})
-                return {"source": "peer", "plan": plan, "failure_step": failure_step, "lost_nodes": plan["lost_nodes"],
-                        "corrupt": corrupt,
-                        "why": f"restoring step {plan['step']} from in-memory copies held on {nodes} node(s); "
-                               f"no storage read" + dropped}
-            if storage_checkpoint:
-                lost = ", ".join(plan["lost_nodes"]) or "none"
-                missing = ", ".join(plan.get("missing") or []) or "none"
-                moments = any(k.startswith("moments") for k in plan.get("missing") or [])
-                return {"source": "storage", "path": storage_checkpoint, "failure_step": failure_step,
-                        "missing": plan.get("missing", []), "lost_nodes": plan["lost_nodes"], "corrupt": corrupt,
-                        "why": f"no complete in-memory copy survives (missing: {missing}; nodes lost: {lost})"
-                               + ("; with delayed moment sync an exact restore needs every sharding group's own "
-                                  "optimizer states" if moments else "") + dropped
-                               + f"; restoring from the storage checkpoint {storage_checkpoint}"}
-            if len(status["attempts"]) > 1 and not resume_from:
-                held = ", ".join(map(str, plan.get("generations", []))) or "none"
-                missing = ", ".join(plan.get("missing") or []) or "none"
-                return {"source": "fresh", "failure_step": failure_step, "missing": plan.get("missing", []),
-                        "lost_nodes": plan["lost_nodes"], "corrupt": corrupt,
-                        "why": f"no in-memory copy (generations held: {held}; newest misses: {missing}){dropped} and no "
-                               f"storage checkpoint survives"
-                               + (f" (none written yet: the first is at step {checkpoint_every})" if checkpoint_every
-                                  else " (train.checkpoint_every is 0: the job writes none)")
-                               + ": training starts again from step 0"}
-        if resume_from:
-            return {"source": "resume", "path": resume_from, "why": f"resuming from the checkpoint {resume_from}"}
-        return {"source": "fresh"}
+    """A worker's side of a restore from the holders: a sharding group rebuilt with no live peer
+    group to heal from (M = 1) loads the newest complete generation they hold
+    (`restore_from_holders`, its plan from `RecoveryCoordinatorImpl.restore_plan`) and checks it
+    bit for bit (`verify_restored`); `train.ft.StorageFallback` decides when."""
 
     def restore_from_holders(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, Any]:
         """Fetch this worker's shard position (with delayed moment sync: its weights, and this
@@ -1088,16 +952,6 @@ class Recovery(_WorkerSide):
                "same_node": fetched["node"] == self.node, "via": fetched["via"]}
         if "moments_key" in fetched:
             out.update(moments_from_node=fetched["moments_node"], moments_via=fetched["moments_via"])
-        return out
-
-    def replica_digests(self, trainer: "Trainer") -> list[str]:
-        """Every replica-group member's shard digest (collective in the replica group): weights and
-        optimizer states, or with delayed moment sync the weights only (the states differ by design)."""
-        import torch.distributed as dist
-
-        mine = digest([_numpy(t) for t in trainer.shard_tensors()[:trainer.replica_tensor_count()]])
-        out: list[Any] = [None] * dist.get_world_size(self.groups.replica_pg)
-        dist.all_gather_object(out, mine, group=self.groups.replica_pg)
         return out
 
 

@@ -336,6 +336,7 @@ class Trainer:
         self.pipelined = (pipelined(device) if pipeline is None else pipeline) and config.towers is None
         self._pipeline: Any = None  # the TrainPipelineSparseDist, built at the first pipelined step
         self._feeder: BatchFeeder | None = None
+        self._commit: RoundCommit | None = None  # the pipelined loop's optimizer step (`_pipelined_steps`)
         self.embedding_optimizer = config.embedding_optimizer(grid.num_groups)
         fused = self.embedding_optimizer.fused_params()
         if config.towers is not None:  # DMT: recgrid's own tower exchange (engine.sptt)
@@ -462,12 +463,22 @@ class Trainer:
                          on_batch: Callable[["Trainer", int, Any], None] | None) -> Iterator[tuple[StepOutput, Any]]:
         """Steps through TorchRec's TrainPipelineSparseDist. The pipeline reads from a
         `BatchFeeder` of exactly the `n` batches to train (it never reads past them), and one
-        step is one output of `progress()`, counted when it comes out."""
+        round is one output of `progress()`, counted when it comes out. Rounds start and commit as
+        in the plain loop (`Replicas`): the round starts before `progress()`, and the pipeline's
+        optimizer step is the round's commit (`RoundCommit`), so a round that does not commit
+        consumes its batch without a step; a heal or an end stops the loop as in the plain one."""
         timer = self.metrics.timer
-        assert type(self.replicas) is Replicas, "the pipelined loop commits every step: the grid's own replicas only"
         self._feeder = feeder = BatchFeeder(itertools.islice(batches, n), timer)
+        self._commit = commit = RoundCommit(self, feeder, on_batch)
         try:
             for _ in range(n):
+                t0 = time.perf_counter()
+                start = "train" if self._round_open else self.replicas.start_round()
+                self._round_open = start == "reload"
+                round_s = time.perf_counter() - t0
+                if start != "train":
+                    self._interrupted = start
+                    return
                 pipe = self._pipeline if self._pipeline is not None else self._new_pipeline()
                 feeder.prefetch(3 - len(pipe.batches))  # what this progress() reads: data wait, before the step
                 if feeder.drained and not pipe.batches:
@@ -477,16 +488,19 @@ class Trainer:
                 _, logits, labels = output = pipe.progress(feeder)
                 timer.stop("dense")
                 batch = feeder.trained()
-                self.state.step += 1
-                self.state.examples += int(labels.numel()) * self.replicas.workers
-                if self.replica_sync.due(self.state.step):
-                    with timer.phase("sync"):
-                        self.replica_sync.sync(self.state.step)
-                if on_batch is not None:
-                    on_batch(self, self.state.step, batch)
+                if commit.committed:
+                    self.state.step += 1
+                    self.state.examples += int(labels.numel()) * self.replicas.workers
+                    if self.replicas.rounds_talk:  # torchft: the round's quorum, commit and table average
+                        timer.add("sync", round_s + commit.seconds + self.replicas.sync(self.state.step))
+                    elif self.replica_sync.due(self.state.step):
+                        with timer.phase("sync"):
+                            self.replica_sync.sync(self.state.step)
                 # seconds: the host's time to issue the step; its device time is in the phase timer
-                yield StepOutput(loss=output[0], logits=logits, labels=labels, seconds=time.perf_counter() - t0,
-                                 step=self.state.step), batch
+                yield StepOutput(loss=output[0], logits=logits, labels=labels,
+                                 seconds=time.perf_counter() - t0 - commit.seconds,
+                                 step=self.state.step if commit.committed else self.state.step + 1,
+                                 committed=commit.committed), batch
         finally:
             if self._feeder is feeder:
                 self._drop_pipeline()
@@ -496,8 +510,9 @@ class Trainer:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         # recgrid syncs replicas itself (dmp_collection_sync_interval_batches=None: TorchRec's
-        # sync is DMPCollection's); the forward runs in the trainer's precision
-        self._pipeline = TrainPipelineSparseDist(self.model, self.dense_optimizer, self.device,
+        # sync is DMPCollection's); the forward runs in the trainer's precision; the optimizer
+        # step is the round's commit (`RoundCommit`)
+        self._pipeline = TrainPipelineSparseDist(self.model, self._commit, self.device,
                                                  execute_all_batches=True, custom_model_fwd=self._forward,
                                                  dmp_collection_sync_interval_batches=None)
         return self._pipeline
@@ -815,6 +830,38 @@ class Trainer:
         self.metrics.examples_total = self.state.examples if keep else 0
 
 
+class RoundCommit:
+    """The dense optimizer as TorchRec's pipeline calls it (`zero_grad`, `step`): the pipeline's
+    optimizer step ends the round. It hands the round's batch to `on_batch` (before the commit, as
+    the plain loop does), asks the replicas to commit (`Replicas.commit`; the grid's own always
+    do), and steps the dense optimizer only if the round committed. Where the commit talks to
+    peers (torchft), its seconds are taken out of the "dense" phase (`seconds`, charged to "sync")."""
+
+    def __init__(self, trainer: "Trainer", feeder: "BatchFeeder",
+                 on_batch: Callable[["Trainer", int, Any], None] | None) -> None:
+        self.trainer, self.feeder, self.on_batch = trainer, feeder, on_batch
+        self.committed, self.seconds = True, 0.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.trainer.dense_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        t = self.trainer
+        step = t.state.step + 1
+        if self.on_batch is not None:
+            self.on_batch(t, step, self.feeder.training)
+        talks = t.replicas.rounds_talk
+        if talks:
+            t.metrics.timer.stop("dense")
+        t0 = time.perf_counter()
+        self.committed = t.replicas.commit(step)
+        self.seconds = time.perf_counter() - t0 if talks else 0.0
+        if talks:
+            t.metrics.timer.start("dense")
+        if self.committed:
+            t.dense_optimizer.step()
+
+
 class BatchFeeder:
     """What the training pipeline reads from: a worker's batches, pulled from `source` with the
     wait charged to the "data_wait" phase, and every batch handed to the pipeline kept until its
@@ -858,6 +905,11 @@ class BatchFeeder:
         batch = self._ready.popleft()
         self._in_flight.append(batch)
         return batch
+
+    @property
+    def training(self) -> Any:
+        """The batch the pipeline is training now (the oldest handed to it)."""
+        return self._in_flight[0]
 
     def trained(self) -> Any:
         return self._in_flight.popleft()

@@ -1,27 +1,15 @@
-"""The Ray Train worker bodies: what every worker of every attempt runs. Thin: they wire the
-trainer (`train.trainer`: the one step loop) to the job's actors and components.
+"""The Ray Train worker body: what every worker of every sharding group's run runs. Thin: it
+wires the trainer (`train.trainer`: the one step loop) to the job's actors and components.
 
-`train_worker` (train.fault_tolerance=restart: Ray Train restarts every worker on a failure):
-1. Place the grid on the workers Ray gave this attempt: L (the sharding group size) is fixed
-   for the job's life, so n workers train as M' = n // L whole sharding groups (an elastic job
-   after losing or regaining capacity; no resharding, a shard's identity is its position inside
-   a sharding group); ranks past M' * L sit the attempt out. The layout is checked against the
-   nodes.
-2. Build the trainer with the job's recorded sharding plan.
-3. Restore: in-memory copies from the holders, else the storage checkpoint, else
-   `train.resume_from`, else fresh (`train.recovery.Recovery`).
-4. Train (`Trainer.fit`). The components that own their cadence run after every step: the
-   snapshotter (`Snapshotter.maybe_snapshot`), the checkpointer (`Checkpointer.maybe_save`),
-   the replica check after a peer restore, and the logging worker's throttled heartbeat to job
-   control (`train.control`). Global rank 0 logs into the job's one MLflow run (never twice for
-   a step), prints progress, and records the recovery events.
-
-`train_group_worker` (train.fault_tolerance=torchft): the same trainer and loop with torchft's
-replica component (`train.ft.TorchftReplicas`) over one sharding group of L workers (a Ray
-Train run of its own, which Ray Train restarts alone when one of them dies); shard rank
-0 of the live group of quorum rank 0 logs, that group writes the storage checkpoints
-(`train.ft.StorageFallback`), and `GroupReport` records each rebuilt group's heal or restore.
-A group whose node is drained leaves after its last sync (`_leave_at_drain`).
+`train_group_worker`: every sharding group is a Ray Train run of its own, of L workers whose
+torch world is the group; Ray Train restarts that run alone when one of them dies. The groups
+meet across runs through torchft (`train.ft.TorchftReplicas`, the trainer's replica component):
+a rebuilt group heals from a live peer group, else restores from its node holders (M = 1), the
+newest storage checkpoint, `train.resume_from`, or starts at step 0. Shard rank 0 of the live
+group of quorum rank 0 logs into the job's one MLflow run (never twice for a step), that group
+writes the storage checkpoints (`train.ft.StorageFallback`), and `GroupReport` records each
+rebuilt group's heal or restore. A group whose node is drained leaves after its last sync
+(`_leave_at_drain`).
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ from typing import Any
 
 from recgrid.data.stream import EvalData, TrainData, stats_text
 from recgrid.data.units import EpochPlan, Inputs
-from recgrid.engine.grid import Grid, GridError
+from recgrid.engine.grid import Grid
 from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
 from recgrid.train.rows import RowLog
@@ -67,9 +55,9 @@ class WorkerJob:
     rows_per_unit: int
     checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
-    lighthouse: str | None  # torchft: the job's lighthouse (`train.ft.Lighthouse`, owned by the driver); else None
-    min_groups: int  # torchft: the fewest live sharding groups that train (`JobConfig.min_groups`)
-    start_groups: int  # torchft: the sharding groups the cluster holds at the job's start (the first quorum waits for them)
+    lighthouse: str  # the job's torchft lighthouse (`train.ft.Lighthouse`, owned by the driver)
+    min_groups: int  # the fewest live sharding groups that train (`JobConfig.min_groups`)
+    start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)
 
 
 def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
@@ -115,106 +103,9 @@ def _data(job: WorkerJob, rank: int, workers: int, eval_rank: int, eval_workers:
     return data, eval_data
 
 
-def train_worker(cfg: dict) -> None:
-    """Ray Train's per-worker function (`cfg["job"]` is the WorkerJob)."""
-    import ray
-    import torch.distributed as dist
-
-    from recgrid.engine.device import peak_memory_mb
-    from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.recovery import Recovery, Snapshotter
-
-    import ray.train
-
-    job: WorkerJob = cfg["job"]
-    ctx, device = _start_worker(job)
-    world_rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    control = job.control
-
-    attempt = [ray.get(control.begin_attempt.remote(world)) if world_rank == 0 else None]
-    dist.broadcast_object_list(attempt, src=0)
-    attempt_no = attempt[0]
-    nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    control.register.remote(attempt_no, world_rank, os.getpid(), nodes[world_rank])
-
-    grid = place_grid(job, nodes)
-    groups = grid.build_process_groups(device.type)  # collective over all `world` ranks
-    sidelined = list(range(grid.world_size, world))
-    side_pg = dist.new_group([0, *sidelined]) if sidelined else None
-    if groups is None:
-        _sit_out(side_pg)
-        return
-
-    trainer = Trainer(grid, groups, job.engine, device, job.plan)
-    rank = groups.coords.rank
-    exporter = metrics_exporter(job, rank)
-    report = Reporter(job, trainer, control, job.recovery, attempt_no, exporter) if world_rank == 0 else None
-    system = None
-    if job.run_id and world_rank == min(r for r in range(world) if nodes[r] == nodes[world_rank]):
-        import socket
-
-        from recgrid.tracking import start_system_metrics
-
-        # one monitor per node (its first worker), named by host and Ray node (hosts may hold several)
-        system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{nodes[world_rank][:8]}", job.tracking_uri)
-    grid_nodes = nodes[:grid.world_size]
-    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, grid_nodes, attempt_no, job.snapshot_every_syncs,
-                              say=lambda msg: control.say.remote(f"[recgrid] {msg}"))
-    recovery = Recovery(job.recovery, control, grid, groups, grid_nodes, attempt_no)
-
-    def join_sitting_out(step: int) -> None:  # the workers sitting out join Ray Train's report
-        if side_pg is not None and rank == 0:
-            dist.broadcast_object_list([("report", step)], group=side_pg, group_src=0)
-
-    def written(step: int, path: str) -> None:
-        if rank == 0:
-            job.recovery.checkpoint_written.remote(step, path)
-
-    checkpointer = Checkpointer(ray_storage=True, every=job.checkpoint_every, trainer=trainer,
-                                before_save=join_sitting_out, after_save=written)
-    stored = ray.train.get_checkpoint()
-    restored = recovery.restore(trainer, checkpointer, stored.path if stored else None, job.resume_from,
-                                say=report.say if report else print)
-    if report:
-        report.started(restored, grid)
-
-    data, eval_data = _data(job, rank, grid.world_size, rank, grid.world_size, device)
-    rows = RowLog(job.row_log, attempt_no, world_rank) if job.row_log else None
-
-    def on_log(values: dict[str, float], step: int) -> None:
-        # every worker exports its own memory and sync figures; rank 0 also the job's, and logs
-        exporter({**values, "memory/peak_mb": peak_memory_mb(device)}, step)
-        if report:
-            report.log(values, step)
-
-    after_step = ([report.step] if report else []) + [recovery.maybe_check_replicas, snapshotter.maybe_snapshot,
-                                                      checkpointer.maybe_save]
-    hooks = FitHooks(on_log=on_log, on_batch=rows.on_batch if rows else None, after_step=after_step,
-                     stop_requested=StopPoll(control) if rank == 0 else None)
-    trainer.fit(data, job.loop, eval_data, hooks)
-    step = trainer.state.step
-    if trainer.interrupted and checkpointer.every:
-        # interrupted at a sync step (`Trainer.fit`): the replicas agree, so it makes a checkpoint
-        path = checkpointer.maybe_save(step, force=True) if step % checkpointer.every else checkpointer.path_for(step)
-        if report:
-            report.say(f"interrupted: checkpoint at step {step} written to {path}")
-    if report and report.tracker is not None:  # Ray Data's execution stats of this worker's streams
-        report.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
-    trainer.close()
-    snapshotter.close()
-    if system is not None:
-        system.finish()
-    if side_pg is not None and rank == 0:
-        dist.broadcast_object_list([("done", trainer.state.step)], group=side_pg, group_src=0)
-    dist.barrier(group=groups.global_pg)
-    if report:
-        ray.get(control.finished.remote(step, trainer.interrupted))
-
-
 def train_group_worker(cfg: dict) -> None:
-    """Ray Train's per-worker function with train.fault_tolerance=torchft (`cfg["job"]` is the
-    WorkerJob, `cfg["group"]` this run's sharding group g): every sharding group is a Ray Train
+    """Ray Train's per-worker function (`cfg["job"]` is the WorkerJob, `cfg["group"]` this run's
+    sharding group g): every sharding group is a Ray Train
     run of its own, of L workers whose torch world is the group (TorchRec's DMP over it), and
     this worker is shard rank s of it. The groups meet across runs through torchft (the job's
     lighthouse, `train.ft`). When a worker dies, Ray Train restarts its group's run alone (all L
@@ -259,8 +150,9 @@ def train_group_worker(cfg: dict) -> None:
     # while it trains on alone (a replacement skips it: its start is the recovery's critical path)
     tracker = WarmTracker(job.run_id, job.tracking_uri, s == 0 and not replacement)
     before = ray.get(control.group_status.remote(g)) if replacement else {}  # the group's last commit before it failed
-    # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group)
-    trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, pipeline=False)
+    # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group),
+    # in the device's loop (TorchRec's pipeline on CUDA, whose optimizer step is the round's commit)
+    trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan)
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
     report = GroupReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
                          metrics_exporter(job, rank), before, tracker)
@@ -277,7 +169,7 @@ def train_group_worker(cfg: dict) -> None:
     # M = 1: in-memory snapshots on the nodes' holders, read first when the group is rebuilt (no peer can serve)
     snapshotter, holders = _group_snapshots(job, trainer, attempt, T // L)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
-    fallback = StorageFallback(Checkpointer(ray_storage=True, reports=False, every=job.checkpoint_every,
+    fallback = StorageFallback(Checkpointer(ray_storage=True, every=job.checkpoint_every,
                                             trainer=trainer), control, job.recovery, g, s, job.resume_from, holders)
     progress = GroupProgress(control, g, s, trainer, job.checkpoint_every)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
@@ -369,7 +261,7 @@ class GroupProgress:
 
 
 def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
-    """Under torchft with M = 1 and `train.snapshot_every_syncs` > 0: this worker's snapshotter
+    """With M = 1 and `train.snapshot_every_syncs` > 0: this worker's snapshotter
     (every that many blocks of K steps, its shard position to its node's holder) and the holders'
     side of a restore (`train.recovery.Recovery` over the group's grid), else (None, None).
     Collective over the sharding group (its workers' nodes)."""
@@ -385,7 +277,7 @@ def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups:
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     say = (lambda msg: job.control.say.remote(f"[recgrid] {msg}"))
     return (Snapshotter(trainer, job.recovery, grid, groups, nodes, attempt, job.snapshot_every_syncs, say=say),
-            Recovery(job.recovery, job.control, grid, groups, nodes, attempt))
+            Recovery(job.recovery, grid, groups, nodes, attempt))
 
 
 def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: Any, manager: Any, g: int, s: int,
@@ -434,51 +326,9 @@ def _wait_for_peers(control: Any, workers: int) -> None:
         time.sleep(0.1)
 
 
-def place_grid(job: WorkerJob, nodes: list[str]) -> Grid:
-    """This attempt's grid: as many whole sharding groups of L as the workers allow (at most the
-    job's T), checked against the nodes the workers run on and, for inter-host, the nodes of the
-    cluster that could hold a worker (counted by rank 0 and broadcast, so every rank decides
-    alike: collective over the default process group)."""
-    import torch.distributed as dist
-
-    from recgrid.train.placement import check_room_for_data, free_cpus, usable_nodes
-
-    L = job.group_size
-    n = min(job.max_world_size, len(nodes) // L * L)
-    if n == 0:
-        raise GridError(f"this attempt got {len(nodes)} workers, fewer than one sharding group of L={L}; "
-                        f"grid.min_world_size must be at least L")
-    counts = Counter(nodes[:n])
-    per_node = next(iter(counts.values())) if len(set(counts.values())) == 1 else None
-    grid = Grid(n, n // L, job.layout, workers_per_node=per_node)  # type: ignore[arg-type]
-    # rank 0 counts the nodes that could hold a worker (inter-host) and the CPUs the workers left free
-    cluster = [(usable_nodes() if job.layout == "inter-host" else 1, free_cpus()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(cluster, src=0)
-    usable, free = cluster[0]
-    grid.check_placement(nodes[:n], cluster_nodes=usable)
-    # every attempt, restarts after a node loss included: the workers must leave Ray Data a CPU share
-    check_room_for_data(free, f"this attempt's {len(nodes)} workers hold their CPUs")
-    return grid
-
-
-def _sit_out(side_pg: Any) -> None:
-    """A worker past the last whole sharding group: join Ray Train's reports until the job ends."""
-    import torch.distributed as dist
-
-    from recgrid.train.checkpoint import report_checkpoint
-
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, group=side_pg, group_src=0)
-        kind, step = box[0]
-        if kind == "done":
-            return
-        report_checkpoint(None, step, {})
-
-
 class Reporter:
-    """The logging worker's voice: MLflow logging into the job's run (each step once, restarts
-    included), progress lines, recovery events, the Ray-native metrics and the throttled
+    """The logging worker's voice: MLflow logging into the job's run (each step once, whichever
+    worker logs it), progress lines, recovery events, the Ray-native metrics and the throttled
     heartbeat to job control."""
 
     def __init__(self, job: WorkerJob, trainer: Trainer, control: Any, coordinator: Any, attempt: int,
@@ -493,8 +343,6 @@ class Reporter:
         self.logged_upto = status["logged_upto"]
         self.attempt_info = status["attempts"][attempt]
         self.started_at = time.perf_counter()
-        self.recovery: dict[str, Any] | None = None
-        self.first_step_done = False
         self.exporter = exporter
         self.heartbeat = Heartbeat(control)
 
@@ -525,45 +373,16 @@ class Reporter:
         self.exporter({"recovery/count": len(events), "recovery/seconds": last.get("seconds", 0.0),
                        "recovery/steps_lost": last.get("steps_lost", 0)}, step)
 
-    def started(self, restored: Any, grid: Grid) -> None:
-        step = restored.step
-        self.open_run(grid.workers_per_node, step)
-        self.log_grid(grid.num_groups, grid.world_size, step)
-        if restored.event is not None:
-            self.recovery = {"event": restored.event, "source": restored.source, "step": step}
-        if self.attempt > 0 or restored.source != "fresh":
-            self.say(f"attempt {self.attempt}: T={grid.world_size} M={grid.num_groups} L={grid.group_size}; "
-                     f"resuming at step {step} ({restored.source}{': ' + restored.detail if restored.detail else ''})")
-
     def step(self, step: int) -> None:
-        """`FitHooks.after_step`: the heartbeat, and the recovery's figures at the first step."""
+        """`FitHooks.after_step`: the throttled heartbeat."""
         self.heartbeat.maybe_beat(step)
-        if not self.first_step_done:
-            self.first_step_done = True
-            if self.recovery is not None:
-                self._log_recovery(step)
-
-    def _log_recovery(self, step: int) -> None:
-        import ray
-
-        now = time.time()
-        status = ray.get(self.coordinator.status.remote())
-        event = status["events"][self.recovery["event"]]
-        detected = self.attempt_info.get("failure_time") or self.attempt_info["start"]
-        fields = {"t_first_step": now, "t_attempt_start": self.attempt_info["start"], "t_failure_detected": detected,
-                  "seconds": now - detected,
-                  "steps_lost": max(0, (event.get("failure_step") or 0) - event["step"])}
-        self.coordinator.update_event.remote(self.recovery["event"], fields)
-        self.log_event(self.recovery["event"] + 1, {**event, **fields}, step)  # recoveries count from 1
-        self.say(f"recovered from {self.recovery['source']} in {fields['seconds']:.1f} s "
-                 f"({fields['steps_lost']} steps lost)")
 
     def log_event(self, count: int, event: dict[str, Any], step: int, timestamp_ms: int | None = None) -> None:
         """Recovery number `count` into the run: its metrics (at `step`, and `timestamp_ms` when given:
         then writing it again changes nothing) and its source, detail and why as tags."""
         values = {"recovery/count": count, "recovery/seconds": event["seconds"],
                   "recovery/steps_lost": event.get("steps_lost", 0)}
-        if "survivors_qps" in event:  # torchft: what the groups that kept training did meanwhile
+        if "survivors_qps" in event:  # what the groups that kept training did meanwhile
             values.update({"recovery/survivors_qps": event["survivors_qps"],
                            "recovery/survivors_qps_before": event["survivors_qps_before"],
                            "recovery/survivors_steps": event["survivors_steps"]})
