@@ -435,6 +435,18 @@ class Trainer:
             return self._pipelined_steps(batches, n, on_batch)
         return self._plain_steps(batches, n, on_batch)
 
+    def _start_round(self) -> float | None:
+        """Start the next round (`Replicas.start_round`); its seconds, or None when the loop stops
+        (the reason in `_interrupted`: "reload" after a heal replaced the state, "end")."""
+        t0 = time.perf_counter()
+        # a round a heal interrupted is still open: it goes on with the restored data, no new round
+        start = "train" if self._round_open else self.replicas.start_round()
+        self._round_open = start == "reload"
+        if start != "train":
+            self._interrupted = start
+            return None
+        return time.perf_counter() - t0
+
     def _plain_steps(self, batches: Iterator[Any], n: int,
                      on_batch: Callable[["Trainer", int, Any], None] | None) -> Iterator[tuple[StepOutput, Any]]:
         """Up to `n` batches, one round each; a round that does not commit (torchft) consumes its
@@ -442,13 +454,8 @@ class Trainer:
         replaced the state (a heal: the data resumes at the restored cursor), or when they say
         there is nothing left to train."""
         for _ in range(n):
-            t0 = time.perf_counter()
-            # a round a heal interrupted is still open: it goes on with the restored data, no new round
-            start = "train" if self._round_open else self.replicas.start_round()
-            self._round_open = start == "reload"
-            round_s = time.perf_counter() - t0
-            if start != "train":
-                self._interrupted = start
+            round_s = self._start_round()
+            if round_s is None:
                 return
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -472,12 +479,8 @@ class Trainer:
         self._commit = commit = RoundCommit(self, feeder, on_batch)
         try:
             for _ in range(n):
-                t0 = time.perf_counter()
-                start = "train" if self._round_open else self.replicas.start_round()
-                self._round_open = start == "reload"
-                round_s = time.perf_counter() - t0
-                if start != "train":
-                    self._interrupted = start
+                round_s = self._start_round()
+                if round_s is None:
                     return
                 pipe = self._pipeline if self._pipeline is not None else self._new_pipeline()
                 feeder.prefetch(3 - len(pipe.batches))  # what this progress() reads: data wait, before the step
