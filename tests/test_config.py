@@ -257,7 +257,10 @@ def test_the_retired_fault_tolerance_keys_are_refused_with_a_sentence(data_dir, 
     assert snapshots() == 0  # the demo: no failure survived, nothing restores
     assert snapshots("train.max_failures=2") == 0  # a rebuilt group heals from a live peer group
     assert snapshots("train.max_failures=2", "grid.num_groups=1") == 1  # ... but at M = 1 there is none
-    assert snapshots("train.snapshot_every_syncs=3") == 3
+    assert snapshots("train.snapshot_every_syncs=3", "grid.num_groups=1") == 3
+    with pytest.raises(ConfigError, match=r"^train\.snapshot_every_syncs: 3 would take in-memory snapshots that are "
+                                          r"never read: with grid\.num_groups=2 .*leave it null or set 0$"):
+        load_config(None, [*base, "train.snapshot_every_syncs=3"])
     # torchft's quorum waits for grid.min_world_size / L live groups (one when null)
     assert load_config(None, [*base, "grid.min_world_size=4"]).min_groups == 2
     assert load_config(None, base).min_groups == 1

@@ -163,7 +163,7 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures each sharding group survives (every group is a Ray Train run of its own, whose FailureConfig this is: Ray Train restarts the group's L workers, which heal from a live peer group, else restore from the node holders, the storage checkpoint or train.resume_from); 0 = fail on the first (the group's run fails, and the job with it)."""
     snapshot_every_syncs: int | None = None
-    """In-memory snapshots of every shard, kept by a holder actor per node, read when a sharding group is rebuilt and no live peer group can heal it: every this many replica syncs (every K steps when M = 1); 0 = none. null = derived: 1 for a job of one sharding group (M = 1) that survives failures (train.max_failures > 0), else 0 (a job that can never restore takes none, and with M >= 2 a rebuilt group heals from a live peer group, not from snapshots)."""
+    """In-memory snapshots of every shard, kept by a holder actor per node, read when the job's one sharding group (M = 1) is rebuilt (no live peer group can heal it): every this many blocks of K steps; 0 = none. null = derived: 1 for a job of one sharding group that survives failures (train.max_failures > 0), else 0 (a job that can never restore takes none; with M >= 2 a rebuilt group heals from a live peer group, and a value > 0 is refused)."""
     checkpoint_every: int | None = None
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no live sharding group is left to heal from and no in-memory copy survives (M = 1 and a node lost, or under host-local the node that holds shard s of every group); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a group rebuilt with no live peer and no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. The live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
     storage_path: str | None = None
@@ -356,6 +356,12 @@ class JobConfig:
         _at_least("train.max_failures", t.max_failures, 0)
         if t.snapshot_every_syncs is not None:
             _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
+            if t.snapshot_every_syncs and self.grid.num_groups > 1:
+                raise ConfigError(
+                    f"train.snapshot_every_syncs: {t.snapshot_every_syncs} would take in-memory snapshots that are never "
+                    f"read: with grid.num_groups={self.grid.num_groups} a rebuilt sharding group heals from a live peer "
+                    f"group, and only a job of one sharding group (grid.num_groups=1) restores from them; leave it "
+                    f"null or set 0")
         self._check_checkpoints()
         if t.resume_from is not None and "://" not in t.resume_from:
             if not (Path(t.resume_from) / ".metadata").is_file():
