@@ -212,7 +212,7 @@ def test_experiments_open_on_their_runs_and_runs_can_have_a_parent(store: str) -
 def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
     import time
 
-    from recgrid.tracking import start_system_metrics
+    from recgrid.tracking import start_system_metrics, stop_system_metrics
 
     tracker = Tracker(experiment="t-system", tracking_uri=store).start("x")
     monitor = start_system_metrics(tracker.run_id, "node-a", store, sampling_interval_s=0.2)
@@ -223,10 +223,15 @@ def test_system_metrics_of_the_node_go_into_the_run(store: str) -> None:
         if "system/node-a/cpu_utilization_percentage" in metrics:
             break
         time.sleep(0.2)
-    monitor.finish()
+    # a node that stops before its first interval ends still logs the sample it took (MLflow drops it)
+    short = start_system_metrics(tracker.run_id, "node-b", store, sampling_interval_s=60)
+    time.sleep(0.5)
+    stop_system_metrics(short)
+    stop_system_metrics(monitor)
     tracker.finish()
     names = MlflowClient(tracking_uri=store).get_run(tracker.run_id).data.metrics
     assert {"system/node-a/cpu_utilization_percentage", "system/node-a/system_memory_usage_megabytes"} <= names.keys()
+    assert "system/node-b/cpu_utilization_percentage" in names
 
 
 def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, monkeypatch, capsys) -> None:

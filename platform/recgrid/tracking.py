@@ -474,14 +474,15 @@ def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: 
     use, disk, network, and GPU utilisation and memory where NVML sees a GPU, as
     `system/<node_id>/<name>` every `sampling_interval_s` (MLflow's own
     `MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` wins), from a daemon thread. MLflow's monitor logs
-    a sample only once its interval has passed and drops the one in progress when stopped, so
-    a node that trains for less than one interval records none: 5 s (MLflow's default is 10)
-    gives a 60-step demo a few points at one small request per node per interval.
+    a sample only once its interval has passed and drops the one in progress when stopped; stop
+    it with `stop_system_metrics`, which logs that one too, so a node that trains for less than
+    one interval still records a point. 5 s (MLflow's default is 10) gives a 60-step demo a few
+    points at one small request per node per interval.
 
     The monitor samples the machine it runs on, so call it once per node, in a process that
     lives as long as the training there (e.g. each node's local rank 0 worker); `node_id` names
-    the node (default: the host name; a pod's name on Kubernetes). Returns the monitor (its
-    `finish()` flushes and stops it; it also stops by itself once the run is no longer RUNNING),
+    the node (default: the host name; a pod's name on Kubernetes). Returns the monitor (stop it
+    with `stop_system_metrics`; it also stops by itself once the run is no longer RUNNING),
     or None when it cannot start (e.g. psutil missing): system metrics never stop training.
     A restarted worker group resumes the run's system-metric steps instead of starting at 0.
     """
@@ -499,3 +500,18 @@ def start_system_metrics(run_id: str, node_id: str | None = None, tracking_uri: 
               f"{redact_uri(str(e))}",
               file=sys.stderr)
         return None
+
+
+def stop_system_metrics(monitor: Any) -> None:
+    """Stop a `start_system_metrics` monitor, logging the sample its interval had not yet logged
+    (MLflow's `finish` drops it), with the monitor's public calls. Never raises: system metrics
+    never stop training."""
+    try:
+        monitor.finish()
+        metrics = monitor.aggregate_metrics()
+        if metrics:
+            monitor.publish_metrics(metrics)
+            monitor.mlflow_logger.flush()
+    except Exception as e:  # noqa: BLE001 - metrics must never stop training
+        print(f"recgrid.tracking: the last MLflow system metrics sample was not logged: {type(e).__name__}: "
+              f"{redact_uri(str(e))}", file=sys.stderr)

@@ -116,6 +116,7 @@ def train_group_worker(cfg: dict) -> None:
 
     import ray
 
+    from recgrid.tracking import stop_system_metrics
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.ft import GroupWorld, HealTransport, StorageFallback, TorchftReplicas, make_manager
 
@@ -140,7 +141,7 @@ def train_group_worker(cfg: dict) -> None:
 
         from recgrid.tracking import start_system_metrics
 
-        # one monitor per node (the job's first worker there), named by host and Ray node, as train_worker's
+        # one monitor per node (the job's first worker there), named by host and Ray node
         system = start_system_metrics(job.run_id, f"{socket.gethostname()}-{node[:8]}", job.tracking_uri)
     status = ray.get(control.status.remote())
     replacement = any(rank in a["workers"] for a in status["attempts"][:attempt])
@@ -204,7 +205,7 @@ def train_group_worker(cfg: dict) -> None:
     if snapshotter is not None:
         snapshotter.close()
     if system is not None:
-        system.finish()
+        stop_system_metrics(system)
     if replicas.left is not None:
         _leave_at_drain(job, trainer, replicas, fallback, manager, g, s, L)
         return
