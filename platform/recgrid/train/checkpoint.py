@@ -9,8 +9,8 @@ them (`train.ft.StorageFallback`). Outside Ray Train (the local launcher, tests)
 writes under a plain directory.
 
 `Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps (by default a tenth of
-the job: `JobConfig.checkpoint_every`); the job keeps its `CHECKPOINTS_KEPT` newest, the caller
-deleting the older ones (`Checkpointer.delete`). What is written is
+the job: `JobConfig.checkpoint_every`); `Checkpointer.keep_newest` keeps the job's `CHECKPOINTS_KEPT`
+newest and deletes the older ones. What is written is
 the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
 sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
 DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
@@ -38,13 +38,13 @@ import pickle
 import re
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
 
 CHECKPOINT_PREFIX = "checkpoint_step_"
-CHECKPOINTS_KEPT = 2  # a job's newest storage checkpoints kept; the writing group deletes older ones (`train.ft.StorageFallback`)
+CHECKPOINTS_KEPT = 2  # a job's newest storage checkpoints kept (`Checkpointer.keep_newest`)
 _STEP = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -289,6 +289,14 @@ class Checkpointer:
         if local is not None:
             _owner_only(local)
         return path
+
+    def keep_newest(self, written: Sequence[str]) -> list[str]:
+        """The job's retention: of its checkpoints `written` (oldest first), delete all but the
+        `CHECKPOINTS_KEPT` newest. Returns the deleted paths."""
+        old = list(written)[:-CHECKPOINTS_KEPT]
+        for path in old:
+            self.delete(path)
+        return old
 
     @staticmethod
     def delete(path: str) -> None:

@@ -1,4 +1,4 @@
-"""Fault tolerance with torchft (`train.fault_tolerance=torchft`): the trainer's replica component
+"""Fault tolerance with torchft (every job: each sharding group a Ray Train run): the trainer's replica component
 for live sharding groups. The groups that did not fail keep their processes and keep training;
 only a failed (or drained) group leaves, and it comes back healed from a live peer group.
 
@@ -68,9 +68,9 @@ Storage checkpoints (`StorageFallback`), for when no live group is left to heal 
 lost at once, which Ray Train answers by restarting every worker, or M = 1): the live group of
 quorum rank 0 writes one at the job's cadence (`train.checkpoint_every`, derived by default), over
 its own L workers, after the committed sync step's tables landed: one whole model copy, the same
-form as the restart path's (it loads at any M or L). Nothing is reported to Ray Train (its report
+form as any storage checkpoint (it loads at any M or L). Nothing is reported to Ray Train (its report
 is a barrier over every worker, and the other groups are training meanwhile); the job's recovery
-coordinator keeps the list, and the writer deletes all but the newest CHECKPOINTS_KEPT. A group
+coordinator keeps the list, and the writer's checkpointer keeps the newest (`keep_newest`). A group
 whose first quorum finds nobody ahead of step 0 reads the newest checkpoint, if there is one,
 and every group's data cursor goes back to where it stood at that step (job control pins them,
 `JobControl.cursors_at`): rows trained after it are trained again, none is skipped. Without one
@@ -288,17 +288,14 @@ class StorageFallback:
             self.checkpointer.maybe_save(step)
 
     def written(self, step: int, path: str) -> None:
-        """The checkpointer's `after_save`: shard rank 0 lists the checkpoint with the coordinator
-        and deletes all but the job's CHECKPOINTS_KEPT newest."""
+        """The checkpointer's `after_save`: shard rank 0 lists the checkpoint with the coordinator,
+        and the checkpointer keeps the job's newest (`Checkpointer.keep_newest`)."""
         import ray
-
-        from recgrid.train.checkpoint import CHECKPOINTS_KEPT
 
         if self.shard != 0:
             return
         ray.get(self.coordinator.checkpoint_written.remote(step, path))
-        for old in ray.get(self.coordinator.status.remote())["checkpoints"][:-CHECKPOINTS_KEPT]:
-            self.checkpointer.delete(old)
+        self.checkpointer.keep_newest(ray.get(self.coordinator.status.remote())["checkpoints"])
 
     def restore(self, trainer: Trainer) -> dict[str, Any] | None:
         """Load the job's newest storage checkpoint, if any (collective over the sharding group:
