@@ -323,13 +323,20 @@ def _run_probe() -> dict:
     default = {"pipelined": a.pipelined, "pipeline": a._pipeline, "timer": type(a.metrics.timer).__name__,
                "forward": type(ebc.forward).__name__, "precision": a.precision}
     b = Trainer.build(Grid(2, 1), engine, torch.device("cpu"), pipeline=True)
+    synced, real_sync = [], b.replicas.sync
+
+    def sync_spy(step):  # a spy, not a mock: the real sync runs
+        synced.append(step)
+        return real_sync(step)
+
+    b.replicas.sync = sync_spy
     forwards = watch_forwards(b.model)
     it = iter(batches)
     first, second = b.run(it, 5), b.run(it, 8)
     phases = {k: first.phase_seconds[k] + second.phase_seconds[k] for k in first.phase_seconds}
     return {"default": default, "plain": plain, "pipelined": first.losses + second.losses, "left": len(list(it)),
             "forwards": forwards,
-            "steps": (first.steps, b.state.step), "phases": phases,
+            "steps": (first.steps, b.state.step), "phases": phases, "synced": synced,
             "step_seconds": first.step_seconds + second.step_seconds}
 
 
@@ -408,6 +415,9 @@ def test_pipelined_loop_consumes_an_uncommitted_rounds_batch_as_the_plain_loop(g
 def test_run_reads_only_what_it_trains_and_matches_the_plain_loop(gloo_results):
     for r in (g["run"] for g in gloo_results):
         assert r["left"] == 4 and r["steps"] == (5, 8)
+        # no replica sync of the grid's own (M = 1): the replica component's runs after every committed step,
+        # as in the plain loop (under torchft it lands the table average and tells its listener)
+        assert r["synced"] == list(range(1, 9))
         assert r["pipelined"] == r["plain"]  # L=2: the ids' all-to-all runs a step ahead
         # TorchRec really pipelined the embedding collection (it falls back to plain forwards silently)
         assert len(r["forwards"]) >= 8 and set(r["forwards"]) == {"pipelined"}

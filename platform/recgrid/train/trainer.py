@@ -494,11 +494,14 @@ class Trainer:
                 if commit.committed:
                     self.state.step += 1
                     self.state.examples += int(labels.numel()) * self.replicas.workers
-                    if self.replicas.rounds_talk:  # torchft: the round's quorum, commit and table average
-                        timer.add("sync", round_s + commit.seconds + self.replicas.sync(self.state.step))
-                    elif self.replica_sync.due(self.state.step):
-                        with timer.phase("sync"):
-                            self.replica_sync.sync(self.state.step)
+                    if self.replica_sync.enabled:  # the grid's own replica sync, timed on the device (no wait per step)
+                        if self.replica_sync.due(self.state.step):
+                            with timer.phase("sync"):
+                                self.replica_sync.sync(self.state.step)
+                    else:  # the replica component's (torchft: its table average and its listener), as the plain loop
+                        sync_s = self.replicas.sync(self.state.step)
+                        if self.replicas.rounds_talk:  # the round's quorum and commit talked to peers
+                            timer.add("sync", round_s + commit.seconds + sync_s)
                 # seconds: the host's time to issue the step; its device time is in the phase timer
                 yield StepOutput(loss=output[0], logits=logits, labels=labels,
                                  seconds=time.perf_counter() - t0 - commit.seconds,
