@@ -262,6 +262,11 @@ class Checkpointer:
             self.after_save(step, path)
         return path
 
+    def save_at(self, step: int) -> str:
+        """A checkpoint of sync step `step` (an interrupt's, the last group's at a drain): the one the
+        cadence wrote there at a checkpoint step, else one written now (collective)."""
+        return self.maybe_save(step, force=True) if step % self.every else self.path_for(step)
+
     def path_for(self, step: int) -> str:
         name = checkpoint_name(step)
         if self.ray_storage:

@@ -199,7 +199,7 @@ def train_group_worker(cfg: dict) -> None:
     step, ck = trainer.state.step, fallback.checkpointer
     if trainer.interrupted and ck.every and replicas.evaluates():
         # interrupted at a sync step (`Trainer.fit`): the live groups agree, so the writing group makes a checkpoint
-        path = ck.maybe_save(step, force=True) if step % ck.every else ck.path_for(step)
+        path = ck.save_at(step)
         if s == 0:
             report.say(f"interrupted: checkpoint at step {step} written to {path}")
     if snapshotter is not None:
@@ -300,7 +300,7 @@ def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: A
         dist.broadcast_object_list(box, src=0)
     stays, ckpt, kept = box[0], fallback.checkpointer, None
     if not stays and ckpt.every:  # no group trains on: the model goes to storage (collective over the group)
-        kept = ckpt.maybe_save(step, force=True) if step % ckpt.every else ckpt.path_for(step)
+        kept = ckpt.save_at(step)
     if s == 0:
         left = max(0.0, notice.deadline_ms / 1000 - time.time()) if notice.deadline_ms else None
         control.say.remote(
