@@ -293,7 +293,7 @@ def check_device_matches_ray(a: argparse.Namespace, T: int) -> dict:
 
 # ---- torchft's collectives on the GPU -----------------------------------------------------------------
 def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
-    """One torchft replica per GPU (its own manager, NCCL across replicas, as `train.ft.make_manager`
+    """One torchft replica per GPU (its own manager, NCCL across replicas, as `train.recovery.peers.make_manager`
     builds them): the component's average of identical fp16 rows and per-replica fp32 values, its
     stop agreement and its metric reduction, every tensor on the GPU as NCCL needs."""
     from datetime import timedelta
@@ -302,7 +302,7 @@ def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupNCCL
 
-    from recgrid.train.ft import TorchftReplicas
+    from recgrid.train.recovery.peers import TorchftReplicas
 
     rank = dist.get_rank()
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -385,46 +385,6 @@ def check_batches_pinned(a: argparse.Namespace, T: int) -> dict:
         ray.shutdown()
     ok = out["pinned"]["all_pinned"] and out["pageable"]["none_pinned"] and out["pinned"]["batches"] == 8
     return {"status": "pass" if ok else "fail", "batch": batch, **out}
-
-
-# ---- delayed moment sync and snapshots -----------------------------------------------------------------
-def delayed_probe(device: torch.device, steps: int) -> dict:
-    """T GPUs, M=T, K=2, delayed moment sync: a snapshot right after a sync leaves the state
-    average in flight; a second trainer restored from it relaunches the average and lands the
-    same states, bit for bit."""
-    from recgrid.config import defaults
-    from recgrid.launch.smoke import random_batches
-    from recgrid.train.trainer import EngineConfig, Trainer
-
-    T, rank = dist.get_world_size(), dist.get_rank()
-    engine = EngineConfig.from_job(defaults(), spec=SMALL, seed=3, precision="fp32", sync_every=2,
-                                   delayed_moment_sync=True)
-    steps -= steps % 2  # end on a sync
-    batches = list(itertools.islice(random_batches(SMALL, 512, seed=rank), steps))
-    a = Trainer.build(Grid(T, T), engine, device)
-    a.run(iter(batches), steps)
-    t0 = time.perf_counter()
-    snap = a.snapshot()
-    snapshot_s = time.perf_counter() - t0
-    in_flight = a.state.sync.pending is not None and a.state.sync.pending.work is not None
-    a.state.sync.pending.settle()
-    landed = [x.clone() for x in a.state.sync.pending.averaged]
-    b = Trainer.build(Grid(T, T), engine, device)
-    b.load_snapshot(snap, None)
-    b.state.sync.pending.settle()
-    same = all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed))
-    a.close()
-    b.close()
-    return {"in_flight_after_snapshot": in_flight, "relaunched_equal": same, "snapshot_seconds": snapshot_s}
-
-
-def check_snapshot_leaves_delayed_average_in_flight(a: argparse.Namespace, T: int) -> dict:
-    """A snapshot right after a delayed moment sync does not wait for its average; a restore relaunches it exactly."""
-    if T < 2:
-        return {"status": "skip", "why": "needs 2 GPUs for a replica group (M=2)"}
-    ranks = nccl_run(delayed_probe, T, a.steps)
-    ok = all(r["in_flight_after_snapshot"] and r["relaunched_equal"] for r in ranks)
-    return {"status": "pass" if ok else "fail", "T": T, "M": T, "per_rank": ranks}
 
 
 # ---- evaluation precision ---------------------------------------------------------------------------
@@ -586,7 +546,6 @@ CHECKS: list[tuple[str, Callable[[argparse.Namespace, int], dict]]] = [
     ("device_matches_ray", check_device_matches_ray),
     ("torchft_collectives_on_gpu", check_torchft_collectives_on_gpu),
     ("batches_pinned", check_batches_pinned),
-    ("snapshot_leaves_delayed_average_in_flight", check_snapshot_leaves_delayed_average_in_flight),
     ("eval_bf16_vs_fp32", check_eval_bf16_vs_fp32),
     ("training_qps", check_training_qps),
 ]

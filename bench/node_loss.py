@@ -14,7 +14,7 @@ after epoch: no batch skipped, and how many were read twice):
   one worker per node   T=2, M=2 (L=1): the lost node held one worker, one Ray replica group
   a group per node      T=4, M=2 (L=2): the lost node held two workers, two Ray replica groups
 
-Every sharding group is a Ray Train run of its own (train/ft.py), so the lost node's group is one
+Every sharding group is a Ray Train run of its own (train/recovery/peers.py), so the lost node's group is one
 run that Ray Train restarts when capacity returns; the other run keeps its workers. (Under Ray
 2.60's TorchftConfig, which recgrid used before, the second case failed the job: its controller
 replaces single-worker replica groups one after another and fails on the second dead one.)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from faults import BackgroundJob
-from recgrid.train import recovery
+from recgrid.train.recovery import coordinator as recovery_actors, holders, slots
 from recgrid.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,7 +261,7 @@ def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
 KILLED_DRIVER = """
 import sys, time
 import ray
-from recgrid.train.recovery import RecoveryCoordinator
+from recgrid.train.recovery.coordinator import RecoveryCoordinator
 ray.init(address=sys.argv[1], logging_level="WARNING")
 node = ray.get_runtime_context().get_node_id()
 coordinator = RecoveryCoordinator.remote(sys.argv[2])  # owned by this driver, as a job's is
@@ -287,16 +287,16 @@ def test_a_driver_killed_with_sigkill_leaves_no_snapshot_files_once_the_next_job
     finally:
         driver.kill()  # SIGKILL
         driver.wait()
-    job_dir = Path(recovery._job_dir(dead_run))
+    job_dir = Path(slots.job_dir(dead_run))
     assert slot.startswith(str(job_dir)) and os.path.isfile(slot)
     # Ray ends a dead driver's actors; the holder's pid is in its directory's owner marker
-    holder_pid = json.loads((Path(slot).parent / recovery.MARKER).read_text())["pid"]
+    holder_pid = json.loads((Path(slot).parent / slots.MARKER).read_text())["pid"]
     deadline = time.time() + 60
     while os.path.exists(f"/proc/{holder_pid}") and time.time() < deadline:
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{holder_pid}"), "the killed driver's holder still runs"
     assert job_dir.exists()  # nobody deleted them: the driver's cleanup never ran
-    coordinator = recovery.RecoveryCoordinator.remote(uuid.uuid4().hex)  # the next job on the node
+    coordinator = recovery_actors.RecoveryCoordinator.remote(uuid.uuid4().hex)  # the next job on the node
     try:
         holder = ray.get(coordinator.holder_for.remote(ray.get_runtime_context().get_node_id()))
         assert ray.get(holder.inventory.remote()) == {}  # started
@@ -307,7 +307,7 @@ def test_a_driver_killed_with_sigkill_leaves_no_snapshot_files_once_the_next_job
 
 
 def _first_quorum(trainer, control, coordinator, resume_from: str):
-    """A sharding group of one worker at its first quorum under torchft (`train.ft`), alone with a
+    """A sharding group of one worker at its first quorum under torchft (`train.recovery.peers`), alone with a
     real lighthouse: what it restored, what it said, and its manager's step after."""
     from datetime import timedelta
     from types import SimpleNamespace
@@ -317,7 +317,8 @@ def _first_quorum(trainer, control, coordinator, resume_from: str):
     from torchft.coordination import LighthouseServer
 
     from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.ft import HealTransport, StorageFallback, TorchftReplicas
+    from recgrid.train.recovery.peers import HealTransport, TorchftReplicas
+    from recgrid.train.recovery.storage import StorageFallback
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -346,7 +347,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     2. a slot file corrupted after it was written is caught by the checksum it was written with
        before the restore uses it: the copy is dropped and the older complete generation restored,
        and the restore's detail (the recovery event's) says so;
-    3. `train.resume_from`, as a sharding group's first quorum reads it (`train.ft`: a real torchft
+    3. `train.resume_from`, as a sharding group's first quorum reads it (`train.recovery.storage`: a real torchft
        manager and lighthouse): no storage checkpoint of its own job, so it loads another run's and
        continues at its step exactly as the run that wrote it continued."""
     import uuid
@@ -361,7 +362,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     from recgrid.launch.smoke import random_batches
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.control import JobControl
-    from recgrid.train.ft import StorageFallback
+    from recgrid.train.recovery.storage import StorageFallback
     from recgrid.train.trainer import EngineConfig, Trainer
 
     spec = get_spec("tiny")
@@ -374,14 +375,14 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
 
     def run(snapshot_steps: list[int], run_id: str):
         """A run's actors and a trainer trained to each of `snapshot_steps`, snapshotting there."""
-        control, coordinator = JobControl.remote(), recovery.RecoveryCoordinator.remote(run_id)
+        control, coordinator = JobControl.remote(), recovery_actors.RecoveryCoordinator.remote(run_id)
         actors.extend([control, coordinator])
         coordinators.append(coordinator)
         attempt = ray.get(control.begin_attempt.remote(1))
         trainer = Trainer.build(grid, engine, torch.device("cpu"))
         said: list[str] = []
-        snapshotter = recovery.Snapshotter(trainer, coordinator, grid, trainer.groups, [node], attempt, 1,
-                                           say=said.append)
+        snapshotter = holders.Snapshotter(trainer, coordinator, grid, trainer.groups, [node], attempt, 1,
+                                          say=said.append)
         states = {}
         for step in snapshot_steps:
             trainer.run(iter(batches[trainer.state.step:step]), step)
@@ -391,11 +392,12 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         return control, coordinator, trainer, states, said
 
     def restore(control, coordinator):
-        """A rebuilt group of M = 1 at its first quorum: the holders' snapshot (`train.ft.StorageFallback`)."""
+        """A rebuilt group of M = 1 at its first quorum: the holders' snapshot (`train.recovery.storage.StorageFallback`)."""
         attempt = ray.get(control.begin_attempt.remote(1))
         fresh = Trainer.build(grid, engine, torch.device("cpu"))
-        holders = recovery.Recovery(coordinator, grid, fresh.groups, [node], attempt)
-        return fresh, StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0, holders=holders).restore(fresh)
+        from_holders = holders.HolderRestore(coordinator, grid, fresh.groups, [node], attempt)
+        return fresh, StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0,
+                                      holders=from_holders).restore(fresh)
 
     def same(trainer, state) -> bool:
         shard, dense = state
@@ -406,7 +408,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     try:
         # 1. the object store
         run_id = uuid.uuid4().hex
-        planted.append(recovery._job_dir(run_id))
+        planted.append(slots.job_dir(run_id))
         os.mkdir(planted[0], 0o755)  # not the holder's own: refused, so no slot files
         control, coordinator, a, states, said = run([2, 4], run_id)
         trainers.append(a)
@@ -439,7 +441,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         # 3. train.resume_from: another run's checkpoint (b's, at step 4), then the same 4 steps as b
         path = Checkpointer(root=str(tmp_path / "ckpt")).save(b)
         want = [float(x) for x in b.run(iter(batches[4:8]), 8).losses]
-        control, coordinator = JobControl.remote(), recovery.RecoveryCoordinator.remote(uuid.uuid4().hex)
+        control, coordinator = JobControl.remote(), recovery_actors.RecoveryCoordinator.remote(uuid.uuid4().hex)
         actors.extend([control, coordinator])
         coordinators.append(coordinator)
         resumed = Trainer.build(grid, engine, torch.device("cpu"))

@@ -105,7 +105,7 @@ def test_no_private_imports_and_layers_hold() -> None:
 @pytest.mark.parametrize("source, expected", [
     ("from recgrid.train.worker import _Reporter\n", "private name"),
     ("from recgrid.launch.report import say\n", "layering"),
-    ("from recgrid.train import recovery\nrecovery._job_dir('x')\n", "private name of recgrid.train.recovery"),
+    ("from recgrid.train.recovery import slots\nslots._own_dir('x', 'y', None)\n", "private name of recgrid.train.recovery.slots"),
 ])
 def test_the_walker_finds_what_it_must(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
                                        expected: str) -> None:

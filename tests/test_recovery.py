@@ -144,97 +144,61 @@ def _qr_heads(head_rows=32):
                                                 head_rows=head_rows) for f in comp.features(SPEC)})
 
 
-def snapshot_roundtrip(delayed: bool) -> dict:
+def snapshot_roundtrip() -> dict:
     """Train 6 steps, snapshot, train 4 more; a second trainer restored from the snapshot of the
-    same shard position (the replica peer's copy) takes the same 4 steps. With delayed moment sync
-    the restore is composed as the holders keep it (`shard_parts`: the position copy, sent by
-    sharding group 0, holds the weights; every group's own moments apart) and as `Recovery` loads
-    it (`compose_shard`)."""
-    from recgrid.train.recovery import compose_shard, shard_parts
-    from recgrid.train.trainer import Snapshot, Trainer
+    same shard position (the replica peer's copy, as a heal or a holder hands it) takes the same 4 steps."""
+    from recgrid.train.trainer import Trainer
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(10))]
-    a = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
-    a.run(iter(batches[:6]), 6)  # step 6 is a sync: with delayed moment sync its state average is in flight
+    a = Trainer.build(grid, _engine(grid), torch.device("cpu"))
+    a.run(iter(batches[:6]), 6)  # step 6 is a sync: the replicas are equal
     snap, window = a.snapshot(), a.metrics.window_state(a.groups.global_pg)
-    pending = a.state.sync.pending
-    in_flight = pending is not None and pending.work is not None  # the snapshot did not wait for it
-    landed = None
-    if pending is not None:
-        pending.settle()
-        landed = [x.clone() for x in pending.averaged]
     # hand every worker the copy its replica peer took (the other sharding group, same shard)
-    c = a.groups.coords
-    peers = grid.replica_groups[c.shard_rank]
+    peers = grid.replica_groups[a.groups.coords.shard_rank]
     gathered: list = [None] * T
     dist.all_gather_object(gathered, snap)
-    one_copy_would_differ = None
-    if delayed:  # the replicas' optimizer states differ between syncs by design: each group's own
-        parts = [shard_parts(s.shard, a.weight_tensor_count(), a.kernel_tensor_count()) for s in gathered]
-        sender = grid.global_rank(0, c.shard_rank)  # the position copy: sharding group 0's weights
-        mine = Snapshot(compose_shard(parts[sender][0], parts[rank][1]), gathered[sender].dense,
-                        gathered[sender].progress, gathered[sender].window)
-        # one copy per position would relaunch the average over M copies of group 0's states,
-        # whose mean is group 0's states: not the mean the failure-free run applies
-        one_copy_would_differ = not all(torch.equal(x, y) for x, y in zip(parts[sender][1], landed))
-    else:
-        mine = gathered[next(r for r in peers if r != rank)]
+    mine = gathered[next(r for r in peers if r != rank)]
     after_a = [float(x) for x in a.run(iter(batches[6:]), 10).losses]
-    b = Trainer.build(grid, _engine(grid, delayed), torch.device("cpu"))
+    b = Trainer.build(grid, _engine(grid), torch.device("cpu"))
     b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
-    # and equal to this worker's own state before the restore (weights, own states, own input)
     own_exact = len(b.shard_tensors()) == len(snap.shard) and all(
-        torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))
-    relaunched_exact = None
-    if landed is not None:  # the restore relaunched the average from its input: the same result, bit for bit
-        b.state.sync.pending.settle()
-        relaunched_exact = all(torch.equal(x, y) for x, y in zip(b.state.sync.pending.averaged, landed))
+        torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))  # = this worker's own state
     dense_exact = all(torch.equal(v, b.dense_state()[k]) for k, v in mine.dense.items())
     after_b = [float(x) for x in b.run(iter(batches[6:]), 10).losses]
     a.close()
     b.close()
     drift = max((x - y).abs().max().item() for x, y in zip(a.shard_tensors(), b.shard_tensors()))
     return {"a": after_a, "b": after_b, "step": b.state.step, "restored_exact": restored_exact,
-            "dense_exact": dense_exact, "drift": drift, "in_flight": in_flight, "relaunched_exact": relaunched_exact,
-            "own_exact": own_exact, "one_copy_would_differ": one_copy_would_differ}
+            "dense_exact": dense_exact, "drift": drift, "own_exact": own_exact}
 
 
-@pytest.mark.parametrize("delayed", [False, True])
-def test_restore_from_a_peer_snapshot_continues_identically(delayed):
-    for r in run_local(snapshot_roundtrip, 4, delayed):
+def test_restore_from_a_peer_snapshot_continues_identically():
+    for r in run_local(snapshot_roundtrip, 4):
         assert r["step"] == 10
         assert len(r["a"]) == len(r["b"]) == 4
         assert r["restored_exact"] and r["dense_exact"]  # the peer's copy, bit for bit
-        assert r["own_exact"]  # = the worker's own state (with delayed moment sync: its own group's states)
-        if delayed:  # taking the snapshot left the delayed average in flight; the restore relaunched it
-            assert r["in_flight"] and r["relaunched_exact"]  # over every group's own input: the run's mean
-            assert r["one_copy_would_differ"]  # the replicas' states differ: the composition is tested
+        assert r["own_exact"]  # = the worker's own state
         # then the same training: the CPU kernels' float sums are not bit-reproducible run to run
         # (1 ulp), so the continuation is compared as test_engine compares M=1 with plain DMP
         assert max(abs(x - y) for x, y in zip(r["a"], r["b"])) <= 1e-6
         assert r["drift"] <= 1e-6
 
 
-def test_restore_plan_needs_every_groups_moments_for_the_grids_m():
-    from recgrid.train.recovery import plan_restore
+def test_restore_plan_takes_the_newest_generation_the_live_holders_hold_whole():
+    from recgrid.train.recovery.holders import plan_restore
 
     job = ["dense", "progress", "window/0"]
-    full = job + [f"shard/{j}" for j in range(2)] + [f"moments/{j}/{g}" for j in range(2) for g in range(2)]
-    inv = {"a": {10: full, 12: [k for k in full if k != "moments/1/1"]}, "b": {}}
-    plan = plan_restore(inv, group_size=2, num_groups=2)
-    assert plan["step"] == 10  # 12 lost group 1's moments of position 1: the older complete one
-    assert plan["where"]["moments/1/1"] == ["a"] and plan["windows"] == {"window/0": ["a"]}
-    assert plan_restore({"a": {12: inv["a"][12]}}, 2, 2)["missing"] == ["moments/1/1"]
-    shrunk = plan_restore(inv, group_size=2, num_groups=1)  # elastic: the average in flight was over M=2
-    assert shrunk["step"] is None and "sharding groups [0, 1] for a grid of M=1" in shrunk["missing"][0]
-    grown = plan_restore(inv, group_size=2, num_groups=3)
-    assert grown["step"] is None and grown["missing"] == ["moments/0/2", "moments/1/1", "moments/1/2"]  # of the newest
-    plain = {"a": {10: job + ["shard/0", "shard/1"]}}  # no delayed moment sync: one copy per position
-    assert plan_restore(plain, 2, 3)["step"] == 10
-    assert plan_restore(plain, 3, 3)["missing"] == ["shard/2"]
+    inv = {"a": {10: job + ["shard/0"], 12: job + ["shard/0"]}, "b": {10: ["shard/1", "window/1"]}}
+    plan = plan_restore(inv, group_size=2, lost=["c"])
+    assert plan["step"] == 10  # 12 lacks shard position 1 (node b's copy of it is of step 10 only)
+    assert plan["where"]["shard/1"] == ["b"] and plan["windows"] == {"window/0": ["a"], "window/1": ["b"]}
+    assert plan["lost_nodes"] == ["c"]
+    none = plan_restore({"a": {12: inv["a"][12]}}, 2)
+    assert none["step"] is None and none["missing"] == ["shard/1"] and none["generations"] == [12]
+    assert plan_restore(inv, 3)["missing"] == ["shard/1", "shard/2"]  # of the newest
 
 
 def save_or_load(src: str, phase: str, M: int, dst: str | None = None, head_rows: int = 32) -> dict:
@@ -431,19 +395,19 @@ def test_checkpoint_load_refuses_metadata_or_entries_that_are_not_data(tmp_path)
 def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, monkeypatch):
     """A shard copy goes into one of two slot files per shard position; a third generation reuses
     the slot of the one it evicts, never the newest kept; reads give back the written bits."""
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
-    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path))
+    holder = holders.SnapshotHolderImpl("node-a", "run-1")
     written = {}
-    slots = []
+    used = []
     for step in (5, 10, 15):
         tensors = [torch.full((7, 3), float(step)), torch.arange(step, dtype=torch.int64)]
-        layout, nbytes = recovery.shard_layout(tensors)
-        assert all(off % recovery.ALIGN == 0 for _, _, off in layout)
+        layout, nbytes = slots.shard_layout(tensors)
+        assert all(off % slots.ALIGN == 0 for _, _, off in layout)
         slot = holder.reserve(step, "shard/0", nbytes)
         assert slot is not None
-        slots.append(slot["slot"])
+        used.append(slot["slot"])
         buf = np.memmap(slot["path"], dtype=np.uint8, mode="r+")
         for t, (_, _, off) in zip(tensors, layout):
             raw = t.numpy().view(np.uint8).reshape(-1)
@@ -452,13 +416,13 @@ def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, mon
         del buf
         holder.commit(step, "shard/0", slot, layout)
         written[step] = [t.numpy().copy() for t in tensors]
-    assert slots == [0, 1, 0]
+    assert used == [0, 1, 0]
     assert sorted(holder.inventory()) == [10, 15]  # the oldest went; its slot was reused
     assert len(holder.files()) == 2
     for step in (10, 15):
         got = holder._payload(step, "shard/0")
         assert [g.tolist() for g in got] == [w.tolist() for w in written[step]]
-        assert holder.digest_of(step, "shard/0") == recovery.digest(written[step])
+        assert holder.digest_of(step, "shard/0") == slots.digest(written[step])
     assert holder.reserve(1, "shard/0", 64) is None  # older than everything kept: nothing to keep
     # a generation being written (reserved, not committed) is not complete, and evicts no kept slot
     slot = holder.reserve(20, "shard/0", 64 * 4)
@@ -468,15 +432,15 @@ def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, mon
 
 
 def test_holder_without_shared_memory_says_so(tmp_path, monkeypatch):
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path / "missing"))
-    assert recovery.SnapshotHolderImpl("node-a", "run-1").reserve(5, "shard/0", 64) is None
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path / "missing"))
+    assert holders.SnapshotHolderImpl("node-a", "run-1").reserve(5, "shard/0", 64) is None
     # shared memory too full for a slot file and the margin it leaves: no slot either (the object store)
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
-    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path))
+    holder = holders.SnapshotHolderImpl("node-a", "run-1")
     assert holder.root is not None and holder.reserve(5, "shard/0", 64) is not None  # room for a small one
-    free = recovery.shutil.disk_usage(holder.root).free
+    free = slots.shutil.disk_usage(holder.root).free
     assert holder.reserve(5, "shard/1", free) is None and holder.allocate("shard/1", free) is None
     assert [os.path.basename(f) for f in holder.files()] == ["shard-0.0", "shard-0.1"]
     holder.close()
@@ -486,22 +450,22 @@ def test_holder_checks_each_copy_against_the_checksum_it_was_written_with(tmp_pa
     """A slot file's bits changed after its commit (a corrupted copy) are caught by the checksum the
     holder recorded at the commit: `verify` drops the copy, so the plan falls back to the older
     complete generation; an intact copy passes."""
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
-    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path))
+    holder = holders.SnapshotHolderImpl("node-a", "run-1")
     for step in (5, 10):
         tensors = [torch.full((4, 3), float(step))]
-        layout, nbytes = recovery.shard_layout(tensors)
+        layout, nbytes = slots.shard_layout(tensors)
         slot = holder.reserve(step, "shard/0", nbytes)
         np.memmap(slot["path"], dtype=np.float32, mode="r+", shape=(12,))[:] = tensors[0].numpy().reshape(-1)
         holder.commit(step, "shard/0", slot, layout)
         holder.generations[step].update(dense=[None], progress=[None])  # the rest of a generation (not checked here)
-        assert holder.digest_of(step, "shard/0") == recovery.digest([t.numpy() for t in tensors])
+        assert holder.digest_of(step, "shard/0") == slots.digest([t.numpy() for t in tensors])
     assert holder.verify(10, ["shard/0"]) == {}
     # a shard position that holds no row of some table (L=3 of tiny: (0, D) tensors) has a checksum too
-    assert recovery.digest([np.zeros((0, 16), np.float32), np.ones(2, np.float32)]) == \
-        recovery.digest([np.ones(2, np.float32)])
+    assert slots.digest([np.zeros((0, 16), np.float32), np.ones(2, np.float32)]) == \
+        slots.digest([np.ones(2, np.float32)])
     path = holder.get(10, "shard/0")["path"]
     with open(path, "r+b") as f:  # one bit of the newest copy flips
         f.seek(5)
@@ -511,7 +475,7 @@ def test_holder_checks_each_copy_against_the_checksum_it_was_written_with(tmp_pa
     bad = holder.verify(10, ["shard/0"])
     assert list(bad) == ["shard/0"] and "shard/0@10 on node node-a" in bad["shard/0"]
     assert holder.inventory() == {5: ["dense", "progress", "shard/0"], 10: ["dense", "progress"]}
-    assert recovery.plan_restore({"node-a": holder.inventory()}, 1, 1)["step"] == 5
+    assert holders.plan_restore({"node-a": holder.inventory()}, 1)["step"] == 5
     holder.close()
 
 
@@ -519,17 +483,17 @@ def test_holder_checks_each_copy_against_the_checksum_it_was_written_with(tmp_pa
 def test_holder_files_are_0600_in_0700_directories_and_links_are_never_followed(tmp_path, monkeypatch):
     import stat
 
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
-    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path))
+    holder = holders.SnapshotHolderImpl("node-a", "run-1")
     slot = holder.reserve(5, "shard/0", 256)
     job_dir = tmp_path / "recgrid-snapshots-run-1"
     for d in (job_dir, job_dir / "node-a"):
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and stat.S_ISDIR(os.lstat(d).st_mode)
     files = holder.files()
     assert len(files) == 2 and slot["path"] in files
-    for f in [*files, str(job_dir / recovery.MARKER), str(job_dir / "node-a" / recovery.MARKER)]:
+    for f in [*files, str(job_dir / slots.MARKER), str(job_dir / "node-a" / slots.MARKER)]:
         assert stat.S_IMODE(os.lstat(f).st_mode) == 0o600 and stat.S_ISREG(os.lstat(f).st_mode)
     # a link planted where a slot file goes (by this user: nobody else can write in a 0700
     # directory) is replaced by a file of the holder's, its target left as it was
@@ -538,7 +502,7 @@ def test_holder_files_are_0600_in_0700_directories_and_links_are_never_followed(
     other = os.path.join(holder.root, "shard-1.0")
     os.symlink(victim, other)
     with pytest.raises(OSError):  # a worker maps no link
-        recovery.open_slot(other, writable=True)
+        slots.open_slot(other, writable=True)
     assert holder.allocate("shard/1", 128) is not None
     assert not os.path.islink(other) and os.path.getsize(other) == 128 and victim.read_bytes() == b"precious" * 8
     holder.close()
@@ -569,11 +533,11 @@ def test_holder_refuses_what_it_did_not_make_at_its_path_and_leaves_it_alone(tmp
     """Anything planted at the job's snapshot path: refused with the path in the message, the
     snapshots go through the object store (no slot), nothing there or behind a link is touched;
     the driver's cleanup leaves it too."""
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
     base = tmp_path / "shm"
     base.mkdir(mode=0o1777)
-    monkeypatch.setattr(recovery, "SHM_BASE", str(base))
+    monkeypatch.setattr(slots, "SHM_BASE", str(base))
     path = base / "recgrid-snapshots-run-1"
     target = tmp_path / "target"
     target.mkdir()
@@ -588,28 +552,28 @@ def test_holder_refuses_what_it_did_not_make_at_its_path_and_leaves_it_alone(tmp
         if planted == "open directory":
             os.chmod(path, 0o755)
         elif planted == "another job's":
-            (path / recovery.MARKER).write_text(json.dumps({"run_id": "run-2", "node": None, "pid": os.getpid()}))
+            (path / slots.MARKER).write_text(json.dumps({"run_id": "run-2", "node": None, "pid": os.getpid()}))
         elif planted == "another user's":
             if os.getuid() != 0:
                 pytest.skip("needs root to make a directory of another user")
             os.chown(path, 4321, 4321)
-    holder = recovery.SnapshotHolderImpl("node-a", "run-1")
+    holder = holders.SnapshotHolderImpl("node-a", "run-1")
     assert holder.root is None and holder.reserve(5, "shard/0", 64) is None  # the object store instead
     problem = holder.why_no_shared_memory()
     assert problem.startswith(f"{path}: refusing") and "object store" in problem
     assert {"link": "symbolic link", "open directory": "mode 0755", "unmarked directory": "no owner marker",
             "another job's": "another job", "another user's": "uid 4321"}[planted] in problem
     holder.close()
-    recovery.remove_snapshot_files("run-1")
+    slots.remove_snapshot_files("run-1")
     assert (inside / "file").read_bytes() == b"do not touch" and sorted(os.listdir(target)) == ["file"]
     assert os.path.islink(path) if planted == "link" else sorted(os.listdir(path)) == sorted(os.listdir(inside))
 
 
 def test_a_starting_holder_sweeps_this_users_snapshot_directories_whose_owners_are_gone(tmp_path, monkeypatch):
-    from recgrid.train import recovery
+    from recgrid.train.recovery import holders, slots
 
-    monkeypatch.setattr(recovery, "SHM_BASE", str(tmp_path))
-    live = recovery.SnapshotHolderImpl("node-a", "run-live")  # a job still running (this process)
+    monkeypatch.setattr(slots, "SHM_BASE", str(tmp_path))
+    live = holders.SnapshotHolderImpl("node-a", "run-live")  # a job still running (this process)
     live.reserve(5, "shard/0", 64)
     # a job whose holder ran in a process that is gone now (as when its driver was SIGKILLed)
     gone = subprocess.run([sys.executable, "-c", SWEEP_SCRIPT, str(tmp_path), "run-dead"], capture_output=True,
@@ -618,7 +582,7 @@ def test_a_starting_holder_sweeps_this_users_snapshot_directories_whose_owners_a
     assert gone.stdout.strip() == str(dead / "node-a") and len(os.listdir(dead / "node-a")) == 3  # two slots, marker
     unmarked = tmp_path / "recgrid-snapshots-run-old"  # not made by a holder that says who it is: not ours to judge
     unmarked.mkdir(mode=0o700)
-    holder = recovery.SnapshotHolderImpl("node-b", "run-next")
+    holder = holders.SnapshotHolderImpl("node-b", "run-next")
     assert holder.swept == [str(dead)] and not dead.exists()
     assert len(live.files()) == 2 and unmarked.is_dir()
     holder.close()
@@ -627,9 +591,9 @@ def test_a_starting_holder_sweeps_this_users_snapshot_directories_whose_owners_a
 
 SWEEP_SCRIPT = """
 import sys
-from recgrid.train import recovery
-recovery.SHM_BASE = sys.argv[1]
-holder = recovery.SnapshotHolderImpl("node-a", sys.argv[2])
+from recgrid.train.recovery import holders, slots
+slots.SHM_BASE = sys.argv[1]
+holder = holders.SnapshotHolderImpl("node-a", sys.argv[2])
 holder.reserve(5, "shard/0", 64)
 print(holder.root)
 """

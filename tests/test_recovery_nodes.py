@@ -150,11 +150,12 @@ def test_read_tasks_run_on_the_cpu_only_node_from_raw_gzip_files(cluster, tmp_pa
     assert sorted(m.step for m in waits) == [3, 6] and all(m.value >= 0 for m in waits)
 
 
-def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluster, tmp_path):
-    """Issue 28, acceptance 5, under torchft (the derived default for this job): host-local, each
-    sharding group's run spreads its L=2 workers one per node, so each worker node holds one
-    worker of every group (shard 0 of one and shard 1 of the other, or one shard of both). The
-    node goes: every group loses a worker, nobody is left ahead of step 0, and the groups restore
+def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluster, tmp_path, capsys):
+    """Issue 28, acceptance 5, under torchft (the derived default for this job): host-local, the
+    driver pins shard position s of every sharding group to one node, so each worker node holds
+    one shard position of both groups. The node goes: every group loses a worker, the driver
+    starts the runs again pinned to the live nodes (the lost node's replacement included), nobody
+    is left ahead of step 0, and the groups restore
     the newest storage checkpoint (every 5 steps by default here), say so in the log and the run,
     and end FINISHED. The row audit: each rank read its part up to the loss, then again from
     where its cursor stood at the checkpoint's step: no row skipped."""
@@ -168,9 +169,9 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
     job = BackgroundJob(cfg)
     st = job.wait_for(lambda s: len(workers_of(s)) == 4 and s["last_step"] > 17)
     first = workers_of(st)
-    # host-local: sharding group g = ranks g and M+g (engine/grid.py), each spread over both nodes
-    for g in range(2):
-        assert first[g]["node"] != first[2 + g]["node"], first
+    # host-local: sharding group g = ranks g and M+g, replica group s = ranks sM..sM+M-1 (engine/grid.py):
+    # the driver pins shard position s of every group to one node, so each group spans both nodes
+    assert first[0]["node"] == first[1]["node"] != first[2]["node"] == first[3]["node"], first
     victim = next(n for n in cluster["nodes"] if n.node_id == first[2]["node"])
     cluster["nodes"].remove(victim)
     cluster["cluster"].remove_node(victim)
@@ -187,6 +188,11 @@ def test_host_local_node_loss_restores_the_storage_checkpoint_and_says_so(cluste
     assert run.info.status == "FINISHED" and run.data.params["train.checkpoint_every"] == "5"
     assert run.data.tags["recovery/source/1"] == "storage"
     assert "storage checkpoint" in run.data.tags["recovery/why/1"]
+    # the runs pinned to the lost node were started again pinned to the live ones, host-local still
+    newest = {int(k): w["node"] for a in r.attempts for k, w in a["workers"].items()}
+    assert newest[0] == newest[1] != newest[2] == newest[3] and victim.node_id not in newest.values(), newest
+    out = capsys.readouterr().out
+    assert "holding shard position(s) [1] of every sharding group are gone" in out, out[-3000:]
     # grid/ranks.json records every process of the job, where it ran: the first four and the rebuilt ones
     recorded = {(x["rank"], x["node"], x["pid"]) for x in _ranks(cfg, r.run_id)}
     every = [(k, w) for a in r.attempts for k, w in a["workers"].items()]

@@ -321,7 +321,7 @@ def _managers(n: int, body) -> list:
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
-    from recgrid.train.ft import TorchftReplicas
+    from recgrid.train.recovery.peers import TorchftReplicas
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=10_000)
     out: list = [None] * n

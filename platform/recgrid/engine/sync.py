@@ -279,7 +279,7 @@ def average_low_precision_(tensors: list[torch.Tensor], sum_: Callable[[torch.Te
     fp32 buckets of at most `bucket_bytes`, summed by `sum_(bucket)` (an all-reduce SUM over the
     members, in place, returning something to `wait()` on: a process group's, or torchft's
     manager's), divided by `group_size` and rounded back once, so M identical copies stay
-    bit-identical. The one place low-precision tables are averaged (`average_`, `train.ft`).
+    bit-identical. The one place low-precision tables are averaged (`average_`, `train.recovery.peers`).
     Returns the bytes this worker put into the all-reduces."""
     sent = 0
     for dtype, group in _by_dtype(tensors).items():

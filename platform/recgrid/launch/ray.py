@@ -5,7 +5,7 @@ MLflow run, makes sure the data exists (synthetic data for the demo), connects t
 embedded local cluster sized for the job, or $RAY_ADDRESS), makes and records the sharding
 plan (once per job: every restart replays it), counts the training rows, starts the job's two
 actors, which outlive every worker group (job control, `train.control`: attempts, stop,
-heartbeats; the recovery coordinator, `train.recovery`: snapshot holders, restore plan, events),
+heartbeats; the recovery coordinator, `train.recovery.coordinator`: snapshot holders, restore plan, events),
 translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
 `LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train: one `TorchTrainer` run
 per sharding group, side by side, with `train.worker.train_group_worker` as their body and the
@@ -17,7 +17,9 @@ The sharding groups' runs are owned by one small actor of the job (`GroupRuns`, 
 this node), so the driver can end them: a run that Ray Train restarted after a node loss or a
 drain waits for room, and when the other groups have finished the job (or one run's failures are
 spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
-Train has no public call that ends a run from another process).
+Train has no public call that ends a run from another process). With the host-local layout the
+runs are pinned to nodes (`train.placement.host_local_nodes`); when a pinned node is gone the
+driver ends them and starts them again pinned to live nodes (`JobRuns`).
 
 The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
 workers hand their lines (progress, recoveries, failures) to job control and the driver prints
@@ -364,11 +366,12 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import GROUP_RUN_PLACEMENT, record_ranks
-    from recgrid.train.recovery import RecoveryCoordinator, remove_snapshot_files
+    from recgrid.train.placement import GROUP_RUN_PLACEMENT, host_local_nodes, label_selectors, record_ranks
+    from recgrid.train.recovery.coordinator import RecoveryCoordinator
+    from recgrid.train.recovery.slots import remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
     from recgrid.train.entry import group_worker, pack
-    from recgrid.train.ft import Lighthouse, bind_host
+    from recgrid.train.recovery.peers import Lighthouse, bind_host
     from recgrid.train.worker import WorkerJob
 
     spec = config.dataset_spec()
@@ -389,7 +392,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
-    lighthouse = owner = None  # made below, ended in the finally whatever fails before training
+    lighthouse = runs = None  # made below, ended in the finally whatever fails before training
     status: dict[str, Any] = {}
     console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
     at_once = False
@@ -418,16 +421,22 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
 
         name = f"{config.run_name}-{tracker.run_id[:8]}"
         backend = torch_config(config)
-        # one Ray Train run per sharding group (L workers, its torch world): Ray restarts a failed
-        # group's run alone, and the groups meet across runs through the job's lighthouse (train/ft.py)
-        trainers = [TorchTrainer(
-            train_loop_per_worker=group_worker,
-            train_loop_config={**pack(job), "group": g},  # bytes: the controller need not import TorchRec (train/entry.py)
-            scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
-                                         resources_per_worker=worker_resources(config),
-                                         placement_strategy=GROUP_RUN_PLACEMENT[grid.layout]),
-            torch_config=backend, run_config=run_config(f"{name}-group{g}"))
-            for g in range(grid.num_groups)]
+
+        def group_run(g: int, nodes_of: list[list[str]] | None) -> Any:
+            """Sharding group g's Ray Train run (L workers, its torch world): Ray restarts a failed group's
+            run alone, and the groups meet across runs through the job's lighthouse (train/recovery/peers.py)."""
+            return TorchTrainer(
+                train_loop_per_worker=group_worker,
+                train_loop_config={**pack(job), "group": g},  # bytes: the controller need not import TorchRec (train/entry.py)
+                scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
+                                             resources_per_worker=worker_resources(config),
+                                             placement_strategy=GROUP_RUN_PLACEMENT[grid.layout],
+                                             label_selector=label_selectors(nodes_of, g) if nodes_of else None),
+                torch_config=backend, run_config=run_config(f"{name}-group{g}"))
+
+        runs = JobRuns(group_run, grid.num_groups, here,
+                       pin=(lambda: host_local_nodes(ray.nodes(), worker_resources(config), grid.group_size,
+                                                     grid.num_groups)) if grid.layout == "host-local" else None)
         low = config.min_groups
         say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
             f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
@@ -436,10 +445,10 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
                "restarted and healed from a live peer group" if grid.num_groups > 1 else
                ", the sharding group a Ray Train run, restarted on a failure and restored from its in-memory "
                "snapshots on the node holders" if t.max_failures and config.snapshot_every_syncs else ""))
-        # the groups' runs are owned by an actor of the job, which the driver can end (module docstring)
-        owner = GroupRuns.options(scheduling_strategy=here, max_concurrency=len(trainers)).remote()
-        fits = [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) for tr in trainers]
-        _fit_watched(fits, console, interrupts or Interrupts(), actors.control, end_runs=lambda: ray.kill(owner))
+        if grid.layout == "host-local" and grid.num_groups > 1 and runs.nodes_of is None:
+            say("host-local: the cluster's nodes cannot hold every replica group whole yet, so the sharding groups' "
+                "runs are not pinned to nodes: Ray spreads each group, and a replica group may straddle nodes")
+        _fit_watched(runs, console, interrupts or Interrupts(), actors.control)
     except Interrupted:
         at_once = True
         raise
@@ -456,11 +465,8 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
         if not at_once:
             actors.end()
-        if owner is not None:
-            try:
-                ray.kill(owner)  # a run still waiting for room ends with it
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        if runs is not None:
+            runs.end()  # a run still waiting for room ends with it
         if lighthouse is not None:
             lighthouse.shutdown()
     if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
@@ -468,49 +474,62 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     return status
 
 
-def _fit_watched(fits: list[Any], console: "Console", interrupts: "Interrupts", control: Any,
-                 end_runs: Any) -> None:
-    """Each run's fit (`fits`: one call each that returns when its Ray Train run has ended) in a
-    thread of its own (Ray Train then leaves SIGINT to this process; one run per sharding group,
-    side by side), while this thread prints the workers' lines and answers interrupts: the first
-    asks the workers to stop at their next sync step; a second, or `STOP_GRACE_S` without them
-    stopping, raises `Interrupted`. A run that failed (its Ray Train failures spent) fails the job,
-    with its error. `end_runs` ends every run still going: the runs left `RUNS_END_GRACE_S` after
-    the job's training ended (a group waiting for room after a drain or a node loss) are ended,
-    and a failed run ends the others at once."""
+def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", control: Any) -> None:
+    """Each of the job's runs (`runs.start()`: one call each that returns when its Ray Train run has
+    ended) in a thread of its own (Ray Train then leaves SIGINT to this process; one run per
+    sharding group, side by side), while this thread prints the workers' lines and answers
+    interrupts: the first asks the workers to stop at their next sync step; a second, or
+    `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that failed (its Ray Train
+    failures spent) fails the job, with its error. Every second it asks `runs.moved()` whether a
+    node the runs are pinned to is gone (host-local; the runs are then started again elsewhere:
+    those it ended are not failures). It ends every run still going: the runs left
+    `RUNS_END_GRACE_S` after the job's training ended (a group waiting for room after a drain or
+    a node loss) are ended, and a failed run ends the others at once."""
     errors: list[BaseException] = []
     ended = threading.Event()
+    threads: list[threading.Thread] = []
 
-    def fit(run: Any) -> None:
+    def fit(run: Any, retired: threading.Event) -> None:
         try:
             run()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            if not ended.is_set():  # a run the driver ended is not a failure
+            if not ended.is_set() and not retired.is_set():  # a run the driver ended is not a failure
                 errors.append(e)
 
-    threads = [threading.Thread(target=fit, args=(run,), name=f"recgrid-fit-{i}", daemon=True)
-               for i, run in enumerate(fits)]
+    def launch(started: "tuple[list[Any], threading.Event]") -> None:
+        fits, retired = started
+        for run in fits:
+            th = threading.Thread(target=fit, args=(run, retired), name=f"recgrid-fit-{len(threads)}", daemon=True)
+            threads.append(th)
+            th.start()
+
     interrupts.install().armed = True
-    for thread in threads:
-        thread.start()
+    launch(runs.start())
     asked = False
     over_at, polled = None, 0.0
     try:
-        while any(th.is_alive() for th in threads):
-            for th in threads:
-                th.join(CONSOLE_POLL_S / len(threads))
+        while any(th.is_alive() for th in threads) or (runs.waiting and not ended.is_set()):
+            alive = [th for th in threads if th.is_alive()]
+            for th in alive:
+                th.join(CONSOLE_POLL_S / len(alive))
+            if not alive:
+                time.sleep(CONSOLE_POLL_S)
             console.pump()
             if not ended.is_set():
                 if over_at is None and time.monotonic() - polled >= 1.0:
                     polled = time.monotonic()
                     over_at = polled if _training_over(control) else None
+                    if over_at is None and not errors:
+                        moved = runs.moved()
+                        if moved is not None:
+                            launch(moved)
                 waiting = [i for i, th in enumerate(threads) if th.is_alive()]
                 if errors or (over_at is not None and time.monotonic() - over_at > RUNS_END_GRACE_S and waiting):
                     ended.set()
                     if not errors:
-                        say(f"the job's training ended; the run of sharding group(s) {waiting} was still waiting "
-                            f"for room after a drain or a node loss: ended")
-                    end_runs()
+                        say(f"the job's training ended; {len(waiting)} sharding group run(s) still waited for room "
+                            f"after a drain or a node loss: ended")
+                    runs.end()
             if interrupts.first_at is not None and not asked:  # the handler only notes the signal
                 asked = True
                 control.request_stop.remote(interrupt=True)
@@ -524,6 +543,73 @@ def _fit_watched(fits: list[Any], console: "Console", interrupts: "Interrupts", 
         interrupts.armed = False
     if errors:
         raise errors[0]
+
+
+class JobRuns:
+    """The job's M sharding-group runs, held by one `GroupRuns` actor on the driver's node (ending
+    it ends them: the module docstring), and, host-local, the nodes they are pinned to
+    (`nodes_of`, from `pin()`: `train.placement.host_local_nodes`; None: not pinned).
+
+    `start()` starts the runs: (one fit call per run, the event `end()` sets first, so the driver
+    tells the runs it ended from failed ones). `moved()`, asked every second, answers a pinned node
+    gone: host-local, it held every copy of its shard positions, so every group restores from
+    storage wherever it runs; the runs, whose selectors name the dead node, would wait for it
+    forever. It ends them and, once the live nodes can hold every replica group whole, starts
+    them again pinned there (their workers restore the newest storage checkpoint: the restore
+    order of `train.recovery.storage`); `waiting` is true in between."""
+
+    def __init__(self, make_run: Any, num_groups: int, here: Any, pin: Any = None) -> None:
+        self.make_run, self.num_groups, self.here, self.pin = make_run, num_groups, here, pin
+        self.nodes_of: list[list[str]] | None = pin() if pin is not None else None
+        self.owner: Any = None
+        self.retired: threading.Event | None = None
+        self.waiting = False
+        self._said_wait = False
+
+    def start(self) -> tuple[list[Any], threading.Event]:
+        import ray
+
+        trainers = [self.make_run(g, self.nodes_of) for g in range(self.num_groups)]
+        owner = self.owner = GroupRuns.options(scheduling_strategy=self.here, max_concurrency=len(trainers)).remote()
+        self.retired = threading.Event()
+        return [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) for tr in trainers], self.retired
+
+    def moved(self) -> tuple[list[Any], threading.Event] | None:
+        import ray
+
+        if self.pin is None or (self.nodes_of is None and not self.waiting):
+            return None
+        if not self.waiting:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            lost = [s for s, nodes in enumerate(self.nodes_of) if set(nodes) - alive]  # type: ignore[arg-type]
+            if not lost:
+                return None
+            gone = sorted({n[:12] for s in lost for n in self.nodes_of[s]} - alive)  # type: ignore[index]
+            say(f"host-local: node(s) {', '.join(gone)} holding shard position(s) {lost} of every sharding group "
+                f"are gone, and every copy of those shards with them; the groups' runs are ended and started again "
+                f"on the live nodes, where they restore the newest storage checkpoint")
+            self.end()
+            self.waiting, self._said_wait = True, False
+        nodes_of = self.pin()
+        if nodes_of is None:
+            if not self._said_wait:
+                say("host-local: waiting for nodes that hold every replica group whole")
+                self._said_wait = True
+            return None
+        self.nodes_of, self.waiting = nodes_of, False
+        return self.start()
+
+    def end(self) -> None:
+        """End every run it holds (those ended here are not failures: `retired`)."""
+        import ray
+
+        if self.retired is not None:
+            self.retired.set()
+        if self.owner is not None:
+            try:
+                ray.kill(self.owner)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
 
 def _training_over(control: Any) -> bool:

@@ -5,7 +5,7 @@ The only code that knows where checkpoints live. A checkpoint is a directory
 (`RunConfig.storage_path`: a local path, or any pyarrow/fsspec URI on a cluster), written in
 place and not reported to Ray Train (one sharding group writes while the others train, and Ray
 Train's report is a barrier over every worker of a run): the job's recovery coordinator lists
-them (`train.ft.StorageFallback`). Outside Ray Train (the local launcher, tests) the same code
+them (`train.recovery.storage.StorageFallback`). Outside Ray Train (the local launcher, tests) the same code
 writes under a plain directory.
 
 `Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps (by default a tenth of

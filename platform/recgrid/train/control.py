@@ -1,7 +1,7 @@
 """Job control: one actor per job, owned by the driver, that every attempt's workers report to.
 
 `JobControl` keeps what the job's attempts share and what the driver, tests and benchmarks
-watch, apart from recovery (`train.recovery`: snapshot holders, the restore plan, recovery
+watch, apart from recovery (`train.recovery.coordinator`: snapshot holders, the restore plan, recovery
 events):
 - the attempts: each worker group Ray Train starts (or, with torchft, each replica group), with
   every worker's rank, pid and node (the driver records them in the run as `grid/ranks.json` once
@@ -157,7 +157,7 @@ class JobControlImpl:
     def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
                        checkpoint_every: int = 0) -> int:
         """Sharding group `group` committed the sync step `step`; its data cursor is `cursor`
-        (torchft: `train.ft`). The last GROUP_HISTORY notes' (time, step) are kept for the
+        (torchft: `train.recovery.peers`). The last GROUP_HISTORY notes' (time, step) are kept for the
         recovery's rates, and the group's cursor at every storage checkpoint step (a multiple of
         `checkpoint_every`) it committed or was away for (then its cursor stood where its last
         note left it). Returns how many groups have asked for their first quorum (`joining`)."""
@@ -200,7 +200,7 @@ class JobControlImpl:
 
     def group_leaves(self, group: int, step: int, nodes: list[str], deadline_ms: int | None) -> list[int]:
         """Sharding group `group` leaves the job after its committed step `step`: its node is drained
-        (`train.ft`, preemption). Returns the groups that have committed and not left, which train on
+        (`train.recovery.peers`, preemption). Returns the groups that have committed and not left, which train on
         (none: this group writes a storage checkpoint before it goes)."""
         with self._lock:
             now = time.time()

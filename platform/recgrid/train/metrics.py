@@ -473,7 +473,7 @@ def reduce_metrics(
     A collective: every worker of `group` calls it with the same kinds of state. Two
     all_reduce calls (one SUM, one MAX), issued together. Without an initialised process
     group it reduces this process's states alone. `reducer(sums, maxes)`, if given, reduces the
-    two flat float64 vectors in place instead of `group` (torchft's manager: `train.ft`). Does
+    two flat float64 vectors in place instead of `group` (torchft's manager: `train.recovery.peers`). Does
     not reset anything.
     """
     if train is None and evaluation is None:

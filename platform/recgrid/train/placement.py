@@ -5,9 +5,17 @@ Every sharding group is a Ray Train run of its own (2.60: one placement group of
 under one placement strategy), and Ray places each run on its own, on the nodes alive when it
 starts or restarts. So the job asks each run for the strategy its layout wants of one group
 (`GROUP_RUN_PLACEMENT`): inter-host packs the group's L workers onto as few nodes as hold them,
-host-local spreads them one per node. Which nodes the M runs share is not fixed by this: a
-per-worker `label_selector` naming node ids would be, but it is fixed for the run's life, so a
-run restarted after a node loss would wait for the dead node.
+host-local spreads them one per node.
+
+Host-local also needs the M runs to agree: shard position s of every group on one node (replica
+group s together, where its sync is fast). The driver fixes that with a per-worker label
+selector on Ray's node id label (`ScalingConfig.label_selector`: bundle s, hence shard rank s, on
+`host_local_nodes(...)[s][g]`). A selector is fixed for the run's life, so when a node named in
+it is gone (which, host-local, took every copy of its shards: every group restores from storage
+anyway), the driver ends the runs and starts them again with selectors over the live nodes
+(`launch.ray`). Where the cluster cannot hold every replica group whole (an elastic job started
+on less room) the runs are not pinned: Ray spreads each group, and replica groups may straddle
+nodes.
 
 Before any worker starts the driver refuses a cluster that cannot give the layout
 (`Grid.check_cluster` on `cluster_slots`) or would leave Ray Data's read tasks no CPU
@@ -26,6 +34,42 @@ GROUP_RUN_PLACEMENT = {"host-local": "SPREAD", "inter-host": "PACK"}
 """Ray placement strategy of one sharding group's run, per layout (the module docstring)."""
 
 RANKS_ARTIFACT = "grid/ranks.json"
+NODE_ID_LABEL = "ray.io/node-id"  # the label every Ray node carries: its node id
+
+
+def host_local_nodes(nodes: list[dict[str, Any]], per_worker: Mapping[str, float], group_size: int,
+                     num_groups: int) -> list[list[str]] | None:
+    """Where host-local puts each worker: `out[s][g]` is the node id of shard position s of sharding
+    group g, with replica group s (its M workers) on one node, or on whole nodes of its own when M is
+    more than a node holds. Nodes are the alive ones of `nodes` (`ray.nodes()` entries), each
+    holding the workers its total resources fit (`node_slots`), filled the largest first (ties by
+    id, so every call on the same cluster gives the same answer). Positions on one node are
+    consecutive, as Ray Train numbers a run's workers node by node in bundle order. None: the nodes
+    cannot hold all L replica groups whole."""
+    L, M = group_size, num_groups
+    room = []
+    for node in nodes:
+        if node.get("Alive"):
+            slots = next(iter(node_slots([node], per_worker).values()))
+            if slots > 0:
+                room.append((-slots, node["NodeID"]))
+    out: list[list[str]] = []
+    spill: list[str] = []  # M more than one node holds: a replica group over whole nodes
+    for neg, node_id in sorted(room):
+        slots = -neg
+        if M <= slots:
+            out += [[node_id] * M for _ in range(slots // M)]
+        else:
+            spill += [node_id] * slots
+            while len(spill) >= M:
+                out.append(spill[:M])
+                spill = spill[M:]
+    return out[:L] if len(out) >= L else None
+
+
+def label_selectors(nodes_of: list[list[str]], group: int) -> list[dict[str, str]]:
+    """Sharding group `group`'s run's per-worker label selectors for `host_local_nodes`' answer."""
+    return [{NODE_ID_LABEL: position[group]} for position in nodes_of]
 
 
 def node_slots(nodes: list[dict[str, Any]], per_worker: Mapping[str, float]) -> dict[str, int]:

@@ -7,15 +7,16 @@
   replica sync's counters and in-flight delayed average, the evaluation mark.
 The state inventory is one: `snapshot()` gives this worker's share of all of it (its shards, the
 dense part, the progress, its NE window: `Snapshot`), and `load_snapshot()` loads one. In-memory
-copies (`train.recovery`: the shards as flat tensors in shared-memory slot files) and torchft's
-heal (`train.ft`: `Snapshot.to_dict()` over its transport) carry exactly that; `state_dict()` /
+copies (`train.recovery.holders`: the shards as flat tensors in shared-memory slot files) and torchft's
+heal (`train.recovery.peers`: `Snapshot.to_dict()` over its transport) carry exactly that; `state_dict()` /
 `load_state_dict()` carry the same parts for `torch.distributed.checkpoint` (`train.checkpoint`),
 the shards in the DMP's sharded form so that DCP can reshard them. The loop never knows which
 source a restore came from.
 
-`fit` is the one step loop of every path. What differs between Ray Train's whole-group restart
-and torchft's live replicas is a component the loop calls (`Replicas`: start of a round, commit,
-replica sync, metric reduction, stop agreement; `train.ft.TorchftReplicas` for torchft). What
+`fit` is the one step loop of every path. What differs between a grid in one torch world (the
+local launcher, benchmarks) and a sharding group meeting its peers through torchft (every Ray
+job) is a component the loop calls (`Replicas`: start of a round, commit, replica sync, metric
+reduction, stop agreement; `train.recovery.peers.TorchftReplicas` for torchft). What
 runs at a step's end and owns its own cadence (snapshots, storage checkpoints, heartbeats) is
 handed in as `FitHooks.after_step`.
 
@@ -151,7 +152,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class LoopConfig:
     """How long to train, and how often to log and evaluate (in steps). Snapshots and storage
-    checkpoints own their cadence (`train.recovery.Snapshotter`, `train.checkpoint.Checkpointer`).
+    checkpoints own their cadence (`train.recovery.holders.Snapshotter`, `train.checkpoint.Checkpointer`).
     No defaults of its own: `from_job` fills it from a JobConfig."""
 
     max_steps: int
@@ -200,10 +201,9 @@ class StepOutput:
 @dataclass
 class Snapshot:
     """This worker's share of the trainer's one state inventory, as plain tensors: its shards
-    (embedding weights, optimizer states, and with delayed moment sync the input of the state
-    average in flight, which a restore relaunches),
-    the dense part (parameters and optimizer state by name), the scalar progress (step, examples,
-    data cursor, sync counters) and this worker's own NE window. The shards are the same for
+    (embedding weights, optimizer states), the dense part (parameters and optimizer state by
+    name), the scalar progress (step, examples, data cursor, sync counters) and this worker's own
+    NE window. The shards are the same for
     every member of a replica group right after a sync; the dense part and progress are the
     same on every worker. `Trainer.state_dict()` holds the same parts, the shards in the DMP's
     sharded form (for DCP's resharding)."""
@@ -260,8 +260,8 @@ class FitHooks:
 
 class Replicas:
     """How a trainer's steps agree with the other model copies: the part of a step that differs
-    between Ray Train's whole-group restart and torchft (`train.ft.TorchftReplicas`). This one is
-    the grid's own: every worker in one process group, dense gradients averaged by DDP inside
+    between a grid in one torch world and sharding groups meeting through torchft
+    (`train.recovery.peers.TorchftReplicas`). This one is the grid's own: every worker in one process group, dense gradients averaged by DDP inside
     backward, the replica sync every K steps over the replica group, metrics reduced and a stop
     agreed over all T workers; every step commits.
 
@@ -365,7 +365,7 @@ class Trainer:
 
         self.exchange = exchange_meter(self.model, grid, self.rank)  # bytes and world sizes of the exchange
         self._lookup_before = 0.0  # the interval's lookup seconds before the current step
-        self.replicas: Replicas = Replicas(self)  # torchft's replaces it (train.ft)
+        self.replicas: Replicas = Replicas(self)  # torchft's replaces it (train.recovery.peers)
         self._interrupted: str | None = None  # why a step generator stopped early: "reload" (a heal) or "end"
         self.interrupted = False  # the last fit ended at an interrupt (STOP_NOW): no final evaluation
         self._round_open = False  # a round was started and interrupted by its heal: the next batch continues it
@@ -675,41 +675,19 @@ class Trainer:
 
     # ---- the state inventory: snapshots (in-memory copies, torchft heals) and storage checkpoints ----
     def shard_tensors(self) -> list[torch.Tensor]:
-        """This worker's shards, as views of the kernels' storage: weights, optimizer states, and
-        with delayed moment sync the input of the state average in flight (the states as they
-        were at the sync that launched it: never written, so reading it waits for nothing; a
-        restore relaunches the average from it, `load_snapshot`). The weights are the same on
-        every member of a replica group right after a sync; with delayed moment sync the
-        optimizer states and the average's input are this worker's own (they equal each other
-        right after a sync), so in-memory copies keep them per sharding group
-        (`train.recovery.shard_parts`)."""
-        pending = self.state.sync.pending
-        extra = list(pending.snapshot) if pending is not None else []
-        return embedding_weights(self.model) + optimizer_states(self.model) + extra
+        """This worker's shards, as views of the kernels' storage: embedding weights, then
+        optimizer states. Right after a sync they are the same on every member of a replica group
+        (with delayed moment sync, the weights only: each sharding group's states are its own
+        until their average lands)."""
+        return embedding_weights(self.model) + optimizer_states(self.model)
 
     def weight_tensor_count(self) -> int:
         """How many of `shard_tensors()` are embedding weights (the first ones)."""
         return len(embedding_weights(self.model))
 
-    def kernel_tensor_count(self) -> int:
-        """How many of `shard_tensors()` are the kernels' own (the rest: a delayed average's input)."""
-        return len(embedding_weights(self.model)) + len(optimizer_states(self.model))
-
-    def replica_tensor_count(self) -> int:
-        """How many of `shard_tensors()` are the same on every member of a replica group right
-        after a sync: the weights and optimizer states, or with delayed moment sync the weights only."""
-        return self.weight_tensor_count() if self.delays_moments else self.kernel_tensor_count()
-
-    @property
-    def delays_moments(self) -> bool:
-        """Whether the optimizer states are averaged one sync late (delayed moment sync over M > 1):
-        then the replicas' states differ between syncs, by design."""
-        return self.config.delayed_moment_sync and self.replica_sync.enabled
-
     def snapshot(self, copy: bool = True) -> Snapshot:
-        """This worker's share of the state (no collective, and no wait for a delayed average in
-        flight: its input is kept, `shard_tensors`): copies on the CPU, or with `copy` false views
-        of the live tensors (the caller copies them before the next step)."""
+        """This worker's share of the state (no collective): copies on the CPU, or with `copy`
+        false views of the live tensors (the caller copies them before the next step)."""
         shard = self.shard_tensors()
         if copy:
             shard = [t.detach().to("cpu", copy=True) for t in shard]
@@ -719,31 +697,21 @@ class Trainer:
     def load_snapshot(self, snap: Snapshot, window: torch.Tensor | None) -> None:
         """Load a snapshot taken by any worker of the same shard position (its own, or a replica
         peer's): the inverse of `snapshot`. `window` is the NE window summed over the workers
-        (global rank 0 keeps it; None: start a fresh window). A snapshot holding a delayed state
-        average's input relaunches that average over the replica group (collective there: every
-        worker of the grid loads its snapshot at the same point, as a restore does). With delayed
-        moment sync the optimizer states and that input differ between replicas, so an exact
-        restore gives each worker a shard whose weights are its position's and whose states and
-        input are its own sharding group's (`train.recovery.compose_shard`): every member then
-        relaunches the average with its own input, as the collective that was in flight had."""
-        states = optimizer_states(self.model)
-        kernel = embedding_weights(self.model) + states
-        shard = snap.shard
-        if len(shard) not in (len(kernel), len(kernel) + len(states)):
-            raise RuntimeError(f"snapshot holds {len(shard)} shard tensors; this worker's shards need {len(kernel)}")
+        (global rank 0 keeps it; None: start a fresh window). A delayed moment sync's average in
+        flight is dropped (the state it would correct is replaced)."""
+        kernel = self.shard_tensors()
+        if len(snap.shard) != len(kernel):
+            raise RuntimeError(f"snapshot holds {len(snap.shard)} shard tensors; this worker's shards need {len(kernel)}")
         with torch.no_grad():
-            for dst, src in zip(kernel, shard):
+            for dst, src in zip(kernel, snap.shard):
                 if dst.shape != src.shape:
                     raise RuntimeError(f"snapshot shard of shape {tuple(src.shape)} does not fit {tuple(dst.shape)}: "
                                        f"it was taken with another sharding plan")
                 dst.copy_(src)
-        rest = shard[len(kernel):]
         self._drop_pipeline()  # batches it prefetched follow the old cursor
         if self.state.sync.pending is not None:  # this trainer's own average: landed, then forgotten
             self.state.sync.pending.settle()
         self.state.sync.pending = None
-        if rest and self.delays_moments:
-            self.state.sync.pending = self.replica_sync.launch_state_average([t.to(self.device).clone() for t in rest])
         self.load_dense_state(snap.dense)
         self._load_progress(snap.progress, window)
 

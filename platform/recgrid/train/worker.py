@@ -3,11 +3,11 @@ wires the trainer (`train.trainer`: the one step loop) to the job's actors and c
 
 `train_group_worker`: every sharding group is a Ray Train run of its own, of L workers whose
 torch world is the group; Ray Train restarts that run alone when one of them dies. The groups
-meet across runs through torchft (`train.ft.TorchftReplicas`, the trainer's replica component):
+meet across runs through torchft (`train.recovery.peers.TorchftReplicas`, the trainer's replica component):
 a rebuilt group heals from a live peer group, else restores from its node holders (M = 1), the
 newest storage checkpoint, `train.resume_from`, or starts at step 0. Shard rank 0 of the live
 group of quorum rank 0 logs into the job's one MLflow run (never twice for a step), that group
-writes the storage checkpoints (`train.ft.StorageFallback`), and `GroupReport` records each
+writes the storage checkpoints (`train.recovery.storage.StorageFallback`), and `GroupReport` records each
 rebuilt group's heal or restore. A group whose node is drained leaves after its last sync
 (`_leave_at_drain`).
 """
@@ -25,6 +25,7 @@ from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid
 from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
+from recgrid.train.recovery.events import RecoveryEvents
 from recgrid.train.rows import RowLog
 from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
 
@@ -48,14 +49,14 @@ class WorkerJob:
     run_id: str | None
     tracking_uri: str | None
     control: Any  # the job's JobControl actor (train.control)
-    recovery: Any  # the job's RecoveryCoordinator actor (train.recovery)
+    recovery: Any  # the job's RecoveryCoordinator actor (train.recovery.coordinator)
     run_name: str
     resume_from: str | None
     row_log: str | None
     rows_per_unit: int
     checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
     snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
-    lighthouse: str  # the job's torchft lighthouse (`train.ft.Lighthouse`, owned by the driver)
+    lighthouse: str  # the job's torchft lighthouse (`train.recovery.peers.Lighthouse`, owned by the driver)
     min_groups: int  # the fewest live sharding groups that train (`JobConfig.min_groups`)
     start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)
 
@@ -108,7 +109,7 @@ def train_group_worker(cfg: dict) -> None:
     sharding group g): every sharding group is a Ray Train
     run of its own, of L workers whose torch world is the group (TorchRec's DMP over it), and
     this worker is shard rank s of it. The groups meet across runs through torchft (the job's
-    lighthouse, `train.ft`). When a worker dies, Ray Train restarts its group's run alone (all L
+    lighthouse, `train.recovery.peers`). When a worker dies, Ray Train restarts its group's run alone (all L
     workers: a group-mate's step fails on the dead worker's collective, and it ends too); the
     other groups keep their processes and train on, and the restarted group heals from a live
     peer group at its first round."""
@@ -118,7 +119,8 @@ def train_group_worker(cfg: dict) -> None:
 
     from recgrid.tracking import stop_system_metrics
     from recgrid.train.checkpoint import Checkpointer
-    from recgrid.train.ft import GroupWorld, HealTransport, StorageFallback, TorchftReplicas, make_manager
+    from recgrid.train.recovery.peers import GroupWorld, HealTransport, TorchftReplicas, make_manager
+    from recgrid.train.recovery.storage import StorageFallback
 
     job: WorkerJob = cfg["job"]
     ctx, device = _start_worker(job)
@@ -220,7 +222,7 @@ def train_group_worker(cfg: dict) -> None:
 class GroupProgress:
     """Shard rank 0's notes of its sharding group's progress to job control (`note`, after every
     committed sync step: the step and the data cursor, `JobControl.group_progress`; a rebuilt group
-    reads on from its own newest note), and the component's `train.ft.JoinSignal` on top of them:
+    reads on from its own newest note), and the component's `train.recovery.peers.JoinSignal` on top of them:
     each note's answer, read at the next sync step without waiting for it, is how many groups have
     asked for their first quorum (`JobControl.joining`), so the live groups learn of a waiting
     group without a call of their own. The other shard ranks note nothing and hear nothing (their
@@ -264,12 +266,12 @@ class GroupProgress:
 def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
     """With M = 1 and `train.snapshot_every_syncs` > 0: this worker's snapshotter
     (every that many blocks of K steps, its shard position to its node's holder) and the holders'
-    side of a restore (`train.recovery.Recovery` over the group's grid), else (None, None).
+    side of a restore (`train.recovery.holders.HolderRestore` over the group's grid), else (None, None).
     Collective over the sharding group (its workers' nodes)."""
     import ray
     import torch.distributed as dist
 
-    from recgrid.train.recovery import Recovery, Snapshotter
+    from recgrid.train.recovery.holders import HolderRestore, Snapshotter
 
     if num_groups != 1 or not job.snapshot_every_syncs:
         return None, None
@@ -278,12 +280,12 @@ def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups:
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     say = (lambda msg: job.control.say.remote(f"[recgrid] {msg}"))
     return (Snapshotter(trainer, job.recovery, grid, groups, nodes, attempt, job.snapshot_every_syncs, say=say),
-            Recovery(job.recovery, grid, groups, nodes, attempt))
+            HolderRestore(job.recovery, grid, groups, nodes, attempt))
 
 
 def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: Any, manager: Any, g: int, s: int,
                     L: int) -> None:
-    """A node of this sharding group's run is being drained (Ray Train's notice, `train.ft`): the
+    """A node of this sharding group's run is being drained (Ray Train's notice, `train.recovery.peers`): the
     group leaves after its committed step. Its updates were averaged into the live groups at the
     block's sync and its data cursor is noted, so nothing it trained is lost; the last group to
     leave writes a storage checkpoint first. Then its workers wait: Ray Train ends the run at the
@@ -452,27 +454,23 @@ class WarmTracker:
 
 
 class GroupReport:
-    """A torchft worker's side of logging and recovery events (`train.ft.GroupListener`): shard
-    rank 0 of the live sharding group of quorum rank 0 logs through a `Reporter` (it changes when
-    that group fails), logs `grid/num_groups` whenever the live group count changes, and logs the
-    recovery events that rebuilt groups record (`recovery/count`, `recovery/source` = peer, or
-    storage when no live group was left (`train.ft.StorageFallback`),
-    `recovery/seconds`: the controller seeing the failure -> the rebuilt group's first committed
-    step, the groups that kept training and their QPS meanwhile). In Ray Train's terms, an
-    attempt here is one worker's start (Ray's replica groups are single workers)."""
+    """A worker's side of logging (`train.recovery.peers.GroupListener`): shard rank 0 of the live
+    sharding group of quorum rank 0 logs through a `Reporter` (it changes when that group fails),
+    logs `grid/num_groups` whenever the live group count changes, and logs the recovery events that
+    rebuilt groups record (`train.recovery.events`). An attempt here is one worker's start."""
 
     def __init__(self, job: WorkerJob, trainer: Trainer, heal: Any, coords: Any, attempt: int, replacement: bool,
                  attempt_info: dict[str, Any], exporter: Any, before: dict[str, Any], tracker: "WarmTracker") -> None:
         self.job, self.trainer, self.heal, self.attempt, self.tracker = job, trainer, heal, attempt, tracker
         self.rank, self.group, self.shard = coords.rank, coords.sharding_group, coords.shard_rank
-        self.replacement, self.attempt_info, self.exporter, self.before = replacement, attempt_info, exporter, before
+        self.replacement, self.exporter = replacement, exporter
         self.control, self.coordinator = job.control, job.recovery
         self.report: Reporter | None = None  # while this sharding group is the quorum's rank 0
         self.live: int | None = None
         self.synced_live: int | None = None  # live sharding groups at this group's last sync
         self.digests_left = 0  # syncs whose table digest this worker still notes (`committed`)
         self.heals_sent = 0  # `heal.sent` at this group's last digest decision
-        self.events_logged: set[int] = set()
+        self.events = RecoveryEvents(job, heal, self.group, self.shard, attempt, attempt_info, replacement, before)
         self.first_step_done = False
 
     # ---- GroupListener ------------------------------------------------------------------------------
@@ -516,11 +514,11 @@ class GroupReport:
         return True
 
     def committed(self, step: int, live: int, synced: bool) -> None:
-        from recgrid.train.ft import kernel_digest
+        from recgrid.train.recovery.peers import kernel_digest
 
         if not self.first_step_done:
             self.first_step_done = True
-            self._record_start()
+            self.events.record_start(self.live, logging=self.report is not None)
         if sync_step(step, self.job.engine.sync_every):
             if live != self.synced_live or self.heal.sent != self.heals_sent:
                 # the live count changed, or this group healed a newcomer (which may rejoin before
@@ -549,149 +547,21 @@ class GroupReport:
         self.exporter({**values, "memory/peak_mb": peak_memory_mb(self.trainer.device)}, step)
         if self.report is not None:
             self.report.log(values, step)
-            self._log_events(step)
+            self.events.log_new(self.report, step)
 
     def finish(self) -> None:
         """Every worker notes where it ended (its tables and dense part): the same on every live sharding group."""
         import ray
 
-        from recgrid.train.ft import dense_digest, kernel_digest
+        from recgrid.train.recovery.peers import dense_digest, kernel_digest
 
         t = self.trainer
         if self.report is not None:
-            self._log_events(t.state.step)
+            self.events.log_new(self.report, t.state.step)
         ray.get(self.control.note.remote(self.attempt, self.rank, {
             "final_step": t.state.step, "final_digest": kernel_digest(t, replicated=True),
             "final_dense_digest": dense_digest(t),
             "heals": [dict(h) for h in self.heal.heals]}))
-
-    # ---- events -----------------------------------------------------------------------------------------
-    def _record_start(self) -> None:
-        """At its first committed step, shard rank 0 of a rebuilt group records how the group came
-        back, and what the groups that kept training did meanwhile; at the job's start, shard rank 0
-        of the logging group records a resume from `train.resume_from` (every group resumed)."""
-        import ray
-
-        heal, restored = self.heal.heals[-1] if self.heal.heals else None, self.heal.restored
-        at_start = not self.replacement
-        # at the job's start only a resume is an event, recorded once (by the group that logs)
-        resumed_here = restored is not None and restored["source"] == "resume" and self.report is not None
-        if self.shard != 0 or (at_start and not resumed_here):
-            return
-        now = time.time()
-        detected = self.attempt_info["start"] if at_start else self._failure_seen()
-        before = self.before.get("step") or 0  # the group's last commit before it failed (none at the start)
-        if restored is not None:  # nobody ahead of step 0: the holders' snapshot, a storage checkpoint or resume_from
-            event = self._restored_event(restored, before, at_start)
-        elif heal is None or heal["step"] == 0:
-            event = {"source": "fresh", "step": 0, "steps_lost": before,
-                     "why": "no live sharding group ahead of this one and no storage checkpoint written yet: "
-                            "training starts again from step 0"}
-        else:
-            event = {"source": "peer", "step": heal["step"], "from_replica": heal["from"], "steps_lost": 0,
-                     "digest": heal["digest"], "source_digest": heal["source_digest"],
-                     "bit_identical": heal["digest"] == heal["source_digest"], "restore_s": heal["load_s"],
-                     "why": f"sharding group {self.group} rebuilt; healed from live group {heal['from']} over "
-                            f"torchft's PGTransport (no storage read; the other groups kept training)",
-                     "detail": f"group {self.group} from group {heal['from']}"}
-        if at_start:
-            event["at_start"] = True
-        else:
-            event.update(self._survivors(detected, now))
-        event.update(attempt=self.attempt, sharding_group=self.group, pid=os.getpid(),
-                     failure_step=self.before.get("step"), t_failure_detected=detected,
-                     t_attempt_start=self.attempt_info["start"],
-                     t_heal=restored["at"] if restored is not None else heal["at"] if heal else None,
-                     t_first_step=now, seconds=now - detected,
-                     num_groups=self.live, world_size=(self.live or 1) * self.job.group_size)
-        ray.get(self.coordinator.record.remote(event))
-
-    @staticmethod
-    def _restored_event(restored: dict[str, Any], before: int, at_start: bool) -> dict[str, Any]:
-        """The event of a group that found nobody ahead of step 0 and loaded `restored`
-        (`StorageFallback.restore`); `before`: its last committed step before it failed."""
-        source, step = restored["source"], restored["step"]
-        lost = before if source == "resume" else max(0, before - step)  # the group's commits trained again
-        why = {"holder": f": the in-memory snapshot of step {step} restored from the node holders, bit for bit "
-                         f"({lost} steps trained again)",
-               "storage": f": the storage checkpoint of step {step} restored, every group's data cursor set back "
-                          f"there ({lost} steps trained again)",
-               "resume": f" and no storage checkpoint of this job: resumed from train.resume_from, the checkpoint "
-                         f"of step {step}"}[source]
-        event = {"source": source, "step": step, "restore_s": restored["load_s"], "steps_lost": lost,
-                 "detail": restored["path"] or restored["detail"],
-                 "why": (f"resuming from the checkpoint {restored['path']} (step {step}; train.resume_from)"
-                         if at_start else f"no live sharding group ahead of step 0{why}")}
-        if source == "holder":
-            event.update(shards=restored["shards"],
-                         bit_identical=all(x["digest"] == x["source_digest"] for x in restored["shards"]))
-        return event
-
-    def _failure_seen(self) -> float:
-        """When this group's failure was first seen: by this worker (a group-mate rebuilt in place: when
-        its step failed) or by Ray Train's controller, as it started a replacement for one of the
-        group's workers (that attempt's `failure_time`), whichever came first after the group's last
-        commit."""
-        import ray
-
-        seen = [self.attempt_info.get("failure_time") or self.attempt_info["start"]]
-        last_commit = self.before.get("at", 0.0)
-        grid = Grid(self.job.max_world_size, self.job.max_world_size // self.job.group_size, self.job.layout)
-        ranks = set(grid.sharding_groups[self.group])
-        for a in ray.get(self.control.status.remote())["attempts"]:
-            if (a.get("failure_time") or 0.0) > last_commit and ranks & {int(r) for r in a["workers"]}:
-                seen.append(a["failure_time"])
-        return min(seen)
-
-    def _survivors(self, since: float, now: float) -> dict[str, Any]:
-        """The groups that kept training while this one was rebuilt (`since` the failure was seen,
-        to `now`), their QPS meanwhile and in as long a span before (from the commits their shard
-        rank 0 noted, `JobControl.group_progress`)."""
-        import ray
-
-        groups = ray.get(self.control.group_status.remote())
-        others = {g: p for g, p in groups.items() if g != self.group}
-        kept = sorted(g for g, p in others.items() if p.get("at", 0) > since)
-        out: dict[str, Any] = {"kept_training": kept}
-        if not kept:
-            return out
-        history = others[kept[0]]["history"]  # every live group commits the same rounds
-        rows_per_step = self.job.loop.batch_size * self.job.group_size * len(kept)
-
-        def commits(t0: float, t1: float) -> list[tuple[float, int]]:
-            return [(t, step) for t, step in history if t0 <= t <= t1]
-
-        span = max(now - since, 1e-9)
-        during = commits(since, now)
-        steps = during[-1][1] - during[0][1] if len(during) > 1 else 0
-        # before: over the commits of as long a span before the failure (not the start-up before the first one)
-        before = commits(since - span, since)
-        qps_before = ((before[-1][1] - before[0][1]) * rows_per_step / (before[-1][0] - before[0][0])
-                      if len(before) > 1 and before[-1][0] > before[0][0] else 0.0)
-        out.update(survivors_steps=steps, survivors_qps=steps * rows_per_step / span, survivors_qps_before=qps_before)
-        return out
-
-    def _log_events(self, step: int) -> None:
-        """The logger's part: replacement events recorded by newcomers, each logged once. Each at the
-        step and time job control fixed for it (`JobControl.event_slot`), and marked logged only after
-        the write: a logger killed in between (a kill aimed at the logging worker lands at a logging
-        step) leaves the event to the next logger, whose identical write MLflow stores once."""
-        import ray
-
-        events = ray.get(self.coordinator.status.remote())["events"]
-        for i, event in enumerate(events):
-            if i in self.events_logged or "seconds" not in event:
-                continue
-            self.events_logged.add(i)
-            slot = ray.get(self.control.event_slot.remote(i, step))
-            if slot is None:  # another logger wrote it
-                continue
-            self.report.log_event(i + 1, event, *slot)
-            ray.get(self.control.event_logged.remote(i))
-            since = "the group started" if event.get("at_start") else "the failure was seen"
-            self.report.say(f"recovery {i + 1}: {event.get('why', '')}; first step {event['seconds']:.1f} s after "
-                            f"{since}")
-
 
 def metrics_exporter(job: WorkerJob, rank: int):
     """This worker's Ray-native metric exporter (`train.export`): job metrics from rank 0,
