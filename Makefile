@@ -15,7 +15,7 @@ UV     := $(BIN)/uv pip install -q --python $(BIN)/python
 HASHES  = $(if $(shell grep -l -- '--hash=sha256:' $(1) 2>/dev/null),--require-hashes)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench smoke clean lock
+.PHONY: install tools test demo bench smoke clean lock
 install: $(STAMP)
 
 $(STAMP): requirements/tools.txt requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml
@@ -44,8 +44,20 @@ lock: install
 # process imports the package, and with PYTHONDONTWRITEBYTECODE set no process writes it
 BYTECODE = $(BIN)/python -m compileall -q -j 0 platform tests >/dev/null
 
+# the suite's tools besides Python: Prometheus and promtool (tests/test_dashboard.py), Debian's
+# `prometheus` package, installed where missing when apt-get can (as root, or through sudo without a
+# password). Without them those tests skip, but under CI=true they fail (tests/conftest.py).
+SUDO = $(if $(filter 0,$(shell id -u)),,sudo -n)
+tools:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then \
+		echo "[install] prometheus and promtool (Debian's prometheus package, for tests/test_dashboard.py) ..."; \
+		$(SUDO) apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else echo "[install] no prometheus here and no apt-get to install it with: the Prometheus tests skip (they fail under CI=true)"; fi
+
 # two pytest-xdist workers: the modules that start Ray on one, the rest beside them (tests/conftest.py)
-test: install
+test: install tools
 	$(BYTECODE)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
