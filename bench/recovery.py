@@ -16,7 +16,8 @@ and against a failure-free run stopped at as many rows as the killed job trained
 
 The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
 jobs each): every mechanism off (no failure survived, no in-memory snapshot, no storage checkpoint),
-failures allowed (`train.max_failures=2`, the rest derived), and the demo as shipped; their wall
+failures allowed (`train.max_failures=2`, the rest derived), the same without storage checkpoints
+(`failures_allowed_no_checkpoints`: what the checkpoints cost apart), and the demo as shipped; their wall
 seconds and median QPS, and each one's QPS over the mechanism-free job's: what fault tolerance
 costs when nothing fails.
 
@@ -84,6 +85,9 @@ FAILURE_FREE = {
     "off": ["train.max_failures=0", "train.snapshot_every_syncs=0", "train.checkpoint_every=0"],
     # failures survived, the rest derived (torchft for this shape, its storage checkpoints)
     "failures_allowed": ["train.max_failures=2"],
+    # failures survived (the live groups heal a rebuilt one) without storage checkpoints: what the
+    # checkpoints cost apart from the rest
+    "failures_allowed_no_checkpoints": ["train.max_failures=2", "train.checkpoint_every=0"],
     # the demo as shipped (jobs/local_demo.yaml)
     "demo": [],
 }
@@ -116,10 +120,13 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
             result = run_job(config, summary=False)
             wall = time.time() - t0
             assert result.status == "FINISHED", result.error
-            qps = [m.value for m in MlflowClient(config.tracking.tracking_uri).get_metric_history(result.run_id,
-                                                                                                   "train/qps")]
+            client = MlflowClient(config.tracking.tracking_uri)
+            qps = [m.value for m in client.get_metric_history(result.run_id, "train/qps")]
+            # seconds a worker spent writing storage checkpoints over the job (the phase's per-interval seconds, summed)
+            ckpt = sum(m.value for m in client.get_metric_history(result.run_id, "time/checkpoint_s"))
             jobs[name].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
-                               "eval_ne": round(result.metrics["eval/ne"], 5), "load_avg_1m": round(os.getloadavg()[0], 2)})
+                               "checkpoint_s": round(ckpt, 3), "eval_ne": round(result.metrics["eval/ne"], 5),
+                               "load_avg_1m": round(os.getloadavg()[0], 2)})
     out: dict[str, Any] = {"configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "max_steps": 400,
                                              "batch_size_per_worker": 256, "jobs_per_variant": reps,
                                              "variants": {n: {"overrides": FAILURE_FREE[n], **paths[n]} for n in jobs}},

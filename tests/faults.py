@@ -28,7 +28,7 @@ def small_job(tmp: Path, name: str, *overrides: str):
         "grid.world_size=4", "grid.num_groups=2", "grid.sync_every=5",
         "train.max_steps=80", "train.batch_size=64", "train.log_every=10", "train.eval_every=0",
         f"train.storage_path={tmp}/storage", f"tracking.tracking_uri=sqlite:///{tmp.parent}/mlflow.db",
-        f"tracking.experiment={name}", *overrides,
+        f"tracking.experiment={name}", "tracking.log_model=false", *overrides,  # a model: test_launcher's M=2 job
     ])
 
 

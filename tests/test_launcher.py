@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from faults import BackgroundJob
 from recgrid.train.recovery import coordinator as recovery_actors, holders, slots
@@ -55,6 +56,8 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
     (bad / "day_0").write_text("\n".join(lines) + "\n")
     # the M=2 job's model is QR-compressed with a head cache; the head ids are counted once, by the driver
     m2_cfg = _job(tmp, mlflow_server.url, 2, [*QR_HEAD, "train.checkpoint_every=0", *SIDE_BY_SIDE])
+    m2_path = tmp / "m2.yaml"  # the job's config as a file (`recgrid export --config`)
+    m2_path.write_text(yaml.safe_dump(m2_cfg.to_dict()))
     failed_cfg = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={bad}/day_*", "data.eval=[]", "data.synth_if_missing=false", "train.max_steps=5",
         "grid.world_size=1", "grid.num_groups=1",  # one worker starts faster; it reads the bad line first
@@ -70,7 +73,7 @@ def two_runs(tmp_path_factory, mlflow_server, shared_ray):
         sys.stdout = printed.out
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    M2.update(printed=printed.of(m2_job.thread), server=mlflow_server, config=m2_cfg)
+    M2.update(printed=printed.of(m2_job.thread), server=mlflow_server, config=m2_cfg, config_path=m2_path)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -255,6 +258,75 @@ def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
     spec = cfg.dataset_spec()
     assert got == embedding_bytes(spec, 16, compression=comp) < 0.6 * embedding_bytes(spec, 16)  # 8 of 26 tables
     assert embedding_bytes(spec, 16) == sum(spec.table_rows) * 16 * 4  # uncompressed: every row, fp32
+
+
+FRESH_PROCESS_EVAL = """
+import contextlib, io, json, sys
+import mlflow.pytorch
+import torch.distributed as dist
+model = mlflow.pytorch.load_model(sys.argv[1])
+alone = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "recgrid.train", "recgrid.launch")))
+from recgrid.train.unshard import evaluate_files, model_spec
+mine = evaluate_files(model, sys.argv[2:], model_spec(model))
+from recgrid.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    main(["eval", sys.argv[1], *[a for g in sys.argv[2:] for a in ("--data", g)], "--json"])
+print(json.dumps({"alone": alone, "dist": dist.is_initialized(), "mine": mine, "cli": json.loads(out.getvalue())}))
+"""
+
+
+def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs, tmp_path):
+    """Issue 30, acceptance 1 and 2, on the M=2 job (T=4, QR with a head cache, logging to the real
+    `mlflow server`): its model is an MLflow model of the run, logged at the final step with
+    `eval/ne` linked. A fresh Python process loads it by its URI before anything of Ray, torch
+    distributed or recgrid's trainer is imported, and reproduces the job's final eval NE on the
+    eval rows (1e-5); `recgrid eval` on the same rows prints the same. `recgrid export` of the
+    job's final storage checkpoint gives the same model, tensor for tensor."""
+    import json
+    import re
+
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+
+    from recgrid.cli import main
+
+    r, cfg = two_runs[1], M2["config"]
+    found = re.search(r"model: logged as (models:/\S+) \(step (\d+), eval NE", M2["printed"])
+    assert found, M2["printed"][-2000:]
+    uri, step = found.group(1), int(found.group(2))
+    checkpoint = re.search(r"unsharded the checkpoint (\S+):", M2["printed"]).group(1)
+    old = {k: os.environ.get(k) for k in [*M2["server"].client_env(), "MLFLOW_TRACKING_URI"]}
+    os.environ.update({**M2["server"].client_env(), "MLFLOW_TRACKING_URI": M2["server"].url})
+    try:
+        client = MlflowClient(M2["server"].url)
+        run = client.get_run(r.run_id)
+        logged = client.get_logged_model(uri.removeprefix("models:/"))
+        fresh = subprocess.run([sys.executable, "-c", FRESH_PROCESS_EVAL, uri, *cfg.data.eval], capture_output=True,
+                               text=True, timeout=300, env=os.environ.copy())
+        assert fresh.returncode == 0, fresh.stderr[-3000:]
+        got = json.loads(fresh.stdout.strip().splitlines()[-1])
+        model = mlflow.pytorch.load_model(uri)
+        out = tmp_path / "exported"
+        assert main(["export", checkpoint, "--config", str(M2["config_path"]), "--out", str(out)]) == 0
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    ne = run.data.metrics["eval/ne"]
+    assert logged.source_run_id == r.run_id and step == cfg.train.max_steps
+    assert {m.key: m.value for m in logged.metrics if m.step == step}["eval/ne"] == ne  # linked to the model
+    assert got["alone"] == [] and not got["dist"], got  # loading needed no Ray, no process group, no trainer
+    assert abs(got["mine"]["ne"] - ne) <= 1e-5 and got["cli"] == got["mine"], (got, ne)
+    assert got["mine"]["rows"] == run.data.metrics["eval/examples"]
+    exported = mlflow.pytorch.load_model(str(out)).state_dict()
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch_equal(v, model.state_dict()[k]) for k, v in exported.items())
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
 # ---- on the shared cluster, without a training job ----------------------------------------------------------

@@ -323,6 +323,57 @@ def dense_roundtrip(root: str) -> dict:
     return out
 
 
+def train_and_checkpoint(root: str) -> dict:
+    """T=4, M=2, QR with a head cache: 6 steps, a storage checkpoint at the sync step, and the
+    trainer's own eval logits on a held-out batch of this rank's (its ids expanded by QR, as the
+    data pipeline gives them), with that batch's raw ids."""
+    from recgrid.data.stream import synthetic_batches
+    from recgrid.train.checkpoint import Checkpointer
+    from recgrid.train.trainer import Trainer
+
+    rank, grid, comp = dist.get_rank(), Grid(4, 2), _qr_heads()
+    trainer = Trainer.build(grid, _engine(grid, compression=comp), torch.device("cpu"))
+    trainer.run(iter(synthetic_batches(SPEC, 32, 6, seed=5, stream=rank + 1, compression=comp)), 6)
+    path = Checkpointer(root=root).save(trainer)
+    raw = synthetic_batches(SPEC, 64, 1, seed=9, stream=rank + 1)[0]
+    expanded = synthetic_batches(SPEC, 64, 1, seed=9, stream=rank + 1, compression=comp)[0]
+    trainer.model.eval()
+    with torch.no_grad():
+        _, (_, logits, _) = trainer._forward(expanded, training=False)
+    trainer.close()
+    return {"path": path, "logits": logits.numpy(), "dense": raw.dense_features.numpy(),
+            "keys": raw.sparse_features.keys(), "values": raw.sparse_features.values().numpy(),
+            "lengths": raw.sparse_features.lengths().numpy()}
+
+
+def test_a_checkpoint_unshards_into_one_plain_module_that_predicts_as_the_trainer(tmp_path):
+    """Issue 30: a storage checkpoint of a T=4, M=2 job with QR and a head cache, read whole in one
+    process without a process group (`train.unshard.from_checkpoint`), is an ordinary module over
+    plain TorchRec tables that maps the raw ids itself: on every rank's held-out batch its logits
+    are the sharded trainer's (1e-5), and pickled and loaded again it needs no recgrid trainer."""
+    import pickle
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recgrid.config import load_config
+    from recgrid.train.unshard import from_checkpoint
+
+    ranks = run_local(train_and_checkpoint, 4, str(tmp_path))
+    config = load_config(None, ["data.spec=tiny", "data.train=none/*.parquet", "model.compression=qr",
+                                "model.qr_threshold_rows=2000", "model.qr_collisions=8", "model.qr_operation=add",
+                                "model.head_rows=32"], check_paths=False)
+    model = pickle.loads(pickle.dumps(from_checkpoint(ranks[0]["path"], config)))
+    assert type(model.model.sparse_arch.embedding_bag_collection).__name__ == "EmbeddingBagCollection"
+    assert model.info["compression"]["head_ids"] and model.info["step"] == 6
+    model.eval()
+    for r in ranks:
+        kjt = KeyedJaggedTensor.from_lengths_sync(r["keys"], torch.from_numpy(r["values"]),
+                                                  torch.from_numpy(r["lengths"]))
+        with torch.no_grad():
+            got = model(torch.from_numpy(r["dense"]), kjt).numpy()
+        assert np.abs(got - r["logits"]).max() <= 1e-5, np.abs(got - r["logits"]).max()
+
+
 def test_adam_and_sgd_dense_state_survive_a_snapshot_and_a_checkpoint(tmp_path):
     for r in run_local(dense_roundtrip, 2, str(tmp_path)):
         assert r["adam"]["states"] == ["exp_avg", "exp_avg_sq", "step"]  # Adam's state is in both

@@ -230,6 +230,31 @@ def _add_towers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="recgrid.launch.towers:run_cli")
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a job's model, unsharded, as an MLflow model directory (from a storage "
+                                      "checkpoint or a run)")
+    p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a storage checkpoint directory, a run id (its logged "
+                                                               "model) or an MLflow model URI")
+    p.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    p.add_argument("--config", default=None, help="a checkpoint's job config YAML (its spec, model and compression)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for a run id or URI (default: as `train`)")
+    p.set_defaults(handler="recgrid.launch.model:run_export")
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="NE, AUC and rows of a logged model or a checkpoint on data files")
+    p.add_argument("model", metavar="MODEL_URI_OR_CHECKPOINT",
+                   help="an MLflow model URI (models:/ID, runs:/RUN/model), a model directory, a run id, or a "
+                        "storage checkpoint (with --config)")
+    p.add_argument("--data", required=True, action="append", metavar="GLOB", help="data files (repeatable)")
+    p.add_argument("--config", default=None, help="a checkpoint's job config YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: as `train`)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: ne, auc, rows")
+    p.set_defaults(handler="recgrid.launch.model:run_eval")
+
+
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keys", help="list the job config's keys with their defaults and docs")
     p.add_argument("section", nargs="?", default=None, help="only this section (grid, model, data, train, optim, tracking)")
@@ -251,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"recgrid {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_layout, _add_smoke, _add_synth, _add_prepare, _add_train, _add_submit, _add_compare, _add_plan,
-                _add_simulate, _add_towers, _add_keys):
+                _add_simulate, _add_towers, _add_export, _add_eval, _add_keys):
         add(sub)
     for p in sub.choices.values():
         p.formatter_class = _HelpFormatter

@@ -198,6 +198,10 @@ class TrackingConfig:
     """MLflow run name; null = "T<T>-M<M>-K<K>" ("T<T>-M1" when M = 1, which has no replica groups to sync)."""
     tracking_uri: str | None = None
     """MLflow tracking URI; null = $MLFLOW_TRACKING_URI if set, else sqlite:///<repo>/runs/mlflow.db."""
+    log_model: bool = True
+    """At the end of a job, log its model, unsharded, as the run's MLflow model "model" (loads with torch and TorchRec alone; the final eval metrics linked to it), read from the final storage checkpoint, which the job then always writes."""
+    register_as: str | None = None
+    """With log_model: also register the logged model as a new version of this registered model name; null = not registered."""
 
 
 CHECKPOINT_LOSS_FRACTION = 0.1  # the derived checkpoint cadence loses at most this share of train.max_steps

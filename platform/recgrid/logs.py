@@ -6,6 +6,9 @@ the driver keep their output to recgrid's own lines.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 def quiet_libraries() -> None:
     """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
@@ -19,6 +22,27 @@ def quiet_libraries() -> None:
     # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def libraries_quiet(names: tuple[str, ...] = ("torch", "torch.fx._symbolic_trace", "torchrec", "fbgemm_gpu",
+                                             "mlflow")) -> Iterator[None]:
+    """`quiet_libraries` for a while, in a process that goes on (the driver unsharding and logging a
+    model): their warnings and their loggers' notes below ERROR, restored afterwards."""
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 def progress_line(m: dict[str, float], step: int, max_steps: int, elapsed: float) -> str:

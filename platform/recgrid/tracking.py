@@ -138,15 +138,29 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
 def stack_versions() -> dict[str, str]:
     """Installed versions of python, torch, torchrec, fbgemm_gpu, ray and mlflow, without importing them."""
     out = {"python": _platform.python_version()}
-    for name, dists in STACK.items():
-        out[name] = "not installed"
-        for d in dists:
-            try:
-                out[name] = importlib.metadata.version(d)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
+    for name in STACK:
+        found = _installed(name)
+        out[name] = found[1] if found else "not installed"
     return out
+
+
+def _installed(name: str) -> tuple[str, str] | None:
+    """(distribution, version) of STACK entry `name` as installed here, or None."""
+    for d in STACK[name]:
+        try:
+            return d, importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+MODEL_STACK = ("torch", "torchrec", "fbgemm_gpu")  # what loading a job's model needs (`engine.unsharded`)
+
+
+def installed_requirements(names: Sequence[str]) -> list[str]:
+    """`dist==version` of each of `names` (keys of STACK) as installed here, under the distribution
+    name that is (fbgemm-gpu or fbgemm-gpu-cpu, ...)."""
+    return [f"{d}=={v}" for d, v in filter(None, map(_installed, names))]
 
 
 def _cut(text: str, limit: int) -> str:
@@ -347,6 +361,27 @@ class Tracker:
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
                                                  for context, dataset in out.items()])
         return out
+
+    def log_model(self, model: Any, *, step: int, input_example: Any, signature: Any,
+                  register_as: str | None = None, params: Mapping[str, Any] | None = None) -> Any:
+        """Log `model` (a torch module, pickled) as an MLflow 3 logged model of the run, named
+        "model", at `step` (MLflow links the run's metrics of that step to it: the final
+        evaluation's), with its signature, input example and requirements, and, with
+        `register_as`, as a new version of that registered model. Returns MLflow's `ModelInfo`
+        (`model_id`, `model_uri`, `registered_model_version`)."""
+        import mlflow
+        import mlflow.pytorch
+
+        run_id = self._require_run()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        # what loading it needs (torch and TorchRec: `engine.unsharded`), named here rather than
+        # inferred (MLflow would load the model in a subprocess to watch its imports)
+        requirements = installed_requirements(MODEL_STACK)
+        # pickled (MLflow's "pt2" would trace forward with torch.export, which a KeyedJaggedTensor input defeats)
+        return mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=input_example,
+                                        registered_model_name=register_as, step=int(step), run_id=run_id,
+                                        params=dict(params or {}) or None, pip_requirements=requirements,
+                                        serialization_format="pickle")
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store `text` as an artifact of the run (e.g. the summary table, the resolved config)."""

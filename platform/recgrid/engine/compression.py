@@ -87,6 +87,8 @@ def _qr_sparse_arch_class() -> type:
     import torch
     from torchrec.models.dlrm import SparseArch
 
+    from recgrid.engine.unsharded import combine_parts
+
     class QRSparseArch(SparseArch):
         """DLRM's sparse arch over an EBC of expanded tables: per feature of C1..C26, its table's
         pooled output, or h + op(q, r) for a compressed one; [B, 26, D] out."""
@@ -103,22 +105,8 @@ def _qr_sparse_arch_class() -> type:
             self.D, self._sparse_feature_names, self.F = dim, list(SPARSE_NAMES), len(SPARSE_NAMES)
 
         def forward(self, features: Any) -> torch.Tensor:  # type: ignore[override]
-            pooled = self.embedding_bag_collection(features).to_dict()
-            out = []
-            for part in self.parts:
-                if len(part) == 1:
-                    out.append(pooled[part[0]])
-                    continue
-                head, q, r = part
-                q, r = pooled[q], pooled[r]
-                if self.operation == "mult":
-                    e = q * r
-                elif self.operation == "add":
-                    e = q + r
-                else:
-                    e = torch.cat([q, r], dim=1)
-                out.append(e if head is None else pooled[head] + e)
-            return torch.cat(out, dim=1).reshape(-1, self.F, self.D)
+            return combine_parts(self.embedding_bag_collection(features).to_dict(), self.parts, self.operation,
+                                 self.F, self.D)
 
     return QRSparseArch
 

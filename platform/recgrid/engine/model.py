@@ -78,8 +78,9 @@ def embedding_tables(spec: DatasetSpec, embedding_dim: int, dtype: str = "fp32")
 
 
 def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0,
-                dense_device: "torch.device | None" = None) -> "DLRMTrain":
-    """An unsharded DLRMTrain whose tables live on the meta device (sharding materialises them).
+                dense_device: "torch.device | None" = None, tables_device: "torch.device | None" = None) -> "DLRMTrain":
+    """An unsharded DLRMTrain whose tables live on the meta device (sharding materialises them), or
+    on `tables_device`, allocated there (an unsharded model to load a checkpoint into: `train.unshard`).
 
     The dense part is initialised from `seed`, so every worker starts with the same dense weights.
     With `model.compression` the large tables are QR-compressed (`engine.compression`): the sparse
@@ -90,12 +91,14 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
     from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 
     dense_device = dense_device or torch.device("cpu")
+    tables_device = tables_device or torch.device("meta")
     if model.arch not in ARCHS:
         raise ValueError(f"model.arch must be one of {ARCHS}, got {model.arch!r}")
     dim = model.resolved_dim(spec)
     # a compressed model is built with the plain tables first, so its dense part starts as the
     # uncompressed model's; its sparse arch is then replaced (engine.compression)
-    ebc = EmbeddingBagCollection(tables=embedding_tables(spec, dim, model.embedding_dtype), device=torch.device("meta"))
+    plain = tables_device if model.compression is None else torch.device("meta")  # replaced below if compressed
+    ebc = EmbeddingBagCollection(tables=embedding_tables(spec, dim, model.embedding_dtype), device=plain)
     torch.manual_seed(seed)
     common = dict(
         embedding_bag_collection=ebc,
@@ -114,6 +117,6 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
         from recgrid.engine.compression import qr_sparse_arch, qr_table_configs
 
         tables = qr_table_configs(spec, dim, DataType[model.embedding_dtype.upper()], model.compression)
-        net.sparse_arch = qr_sparse_arch(EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        net.sparse_arch = qr_sparse_arch(EmbeddingBagCollection(tables=tables, device=tables_device),
                                          spec, dim, model.compression)
     return DLRMTrain(net)

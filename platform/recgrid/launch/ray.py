@@ -165,6 +165,15 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
         return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command(),
                          status.get("events", []), status.get("attempts", []))
     tracker.log_interval_medians(config.train.max_steps)
+    if config.tracking.log_model:
+        from recgrid.logs import libraries_quiet
+
+        try:
+            with libraries_quiet():
+                log_job_model(config, tracker, status)
+        except Exception as e:  # noqa: BLE001 - the trained job stands; the run says why it has no model
+            tracker.set_tags({"model_error": f"{type(e).__name__}: {e}"})
+            say(f"model: not logged ({type(e).__name__}: {e})")
     tracker.finish()
     metrics = dict(tracker.client.get_run(tracker.run_id).data.metrics)
     result = JobResult(tracker.run_id, "FINISHED", metrics, None, time.perf_counter() - t0, tracker.ui_command(),
@@ -180,6 +189,47 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
         + (() if metrics.get("recovery/count") else ("recovery/count",))
     print(summary_table(heading, metrics, result.events, skip), flush=True)
     return result
+
+
+# ---- the trained model ----------------------------------------------------------------------------
+def log_job_model(config: JobConfig, tracker: Any, status: dict[str, Any]) -> Any:
+    """The job's model out of the platform: its final storage checkpoint unsharded in this process
+    (`train.unshard.from_checkpoint`) and logged as the run's MLflow model "model" at the final
+    step (the final evaluation's metrics linked to it) and, with `tracking.register_as`, a
+    registered model version. Returns MLflow's `ModelInfo`, or None when the job ended without
+    a checkpoint of its final step (interrupted, or every group left at a drain)."""
+    import numpy as np
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES
+    from recgrid.train.checkpoint import checkpoint_step
+    from recgrid.train.unshard import from_checkpoint
+
+    final = (status.get("final") or {}).get("step")
+    written = status.get("checkpoints") or []
+    path = next((p for p in reversed(written) if checkpoint_step(p) == final), None)
+    if final is None or path is None:
+        say(f"model: no checkpoint of the final step {final}: no model logged")
+        return None
+    model = from_checkpoint(path, config, info={"run_id": tracker.run_id}, say=say)
+    spec = config.dataset_spec()
+    # MLflow's pyfunc form: one row per sample, the 13 dense values, then one id per categorical feature
+    example = pd.DataFrame({**{n: np.zeros(2, np.float32) for n in DENSE_NAMES},
+                            **{n: np.minimum(np.arange(2), rows - 1).astype(np.int64)
+                               for n, rows in zip(SPARSE_NAMES, spec.table_rows)}})
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.from_numpy(example.to_numpy(dtype=np.float32))).numpy()
+    info = tracker.log_model(model, step=final, input_example=example, signature=infer_signature(example, out),
+                             register_as=config.tracking.register_as, params={"checkpoint": path, "spec": spec.name})
+    ne = tracker.client.get_run(tracker.run_id).data.metrics.get("eval/ne")
+    say(f"model: logged as {info.model_uri} (step {final}"
+        + (f", eval NE {ne:.4f}" if ne is not None else "")
+        + (f"; registered as {config.tracking.register_as!r} version {info.registered_model_version}"
+           if config.tracking.register_as else "") + ")")
+    return info
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -412,6 +462,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             snapshot_every_syncs=config.snapshot_every_syncs,
             lighthouse=lighthouse.address,
             min_groups=config.min_groups, start_groups=placeable_groups(config),
+            log_model=config.tracking.log_model,
         )
 
         def run_config(name: str) -> Any:

@@ -256,16 +256,22 @@ class Checkpointer:
         step of a job with checkpoints, e.g. where an interrupt stopped it)."""
         if not self.every or (step % self.every and not force) or self.trainer is None:
             return None
-        with self.trainer.metrics.timer.phase("checkpoint"):
-            path = self.save(self.trainer)
+        return self._write(step)
+
+    def save_at(self, step: int) -> str:
+        """A checkpoint of step `step` (an interrupt's, the last group's at a drain, the job's final
+        one): the one the cadence wrote there at a checkpoint step, else one written now
+        (collective), whatever the cadence (`every` 0 included)."""
+        if self.every and step % self.every == 0:
+            return self.path_for(step)
+        return self._write(step)
+
+    def _write(self, step: int) -> str:
+        with self.trainer.metrics.timer.phase("checkpoint"):  # type: ignore[union-attr]
+            path = self.save(self.trainer)  # type: ignore[arg-type]
         if self.after_save is not None:
             self.after_save(step, path)
         return path
-
-    def save_at(self, step: int) -> str:
-        """A checkpoint of sync step `step` (an interrupt's, the last group's at a drain): the one the
-        cadence wrote there at a checkpoint step, else one written now (collective)."""
-        return self.maybe_save(step, force=True) if step % self.every else self.path_for(step)
 
     def path_for(self, step: int) -> str:
         name = checkpoint_name(step)

@@ -59,6 +59,7 @@ class WorkerJob:
     lighthouse: str  # the job's torchft lighthouse (`train.recovery.peers.Lighthouse`, owned by the driver)
     min_groups: int  # the fewest live sharding groups that train (`JobConfig.min_groups`)
     start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)
+    log_model: bool  # the writing group ends the job with a checkpoint of its final step (the driver logs the model)
 
 
 def _start_worker(job: WorkerJob) -> tuple[Any, Any]:
@@ -204,6 +205,9 @@ def train_group_worker(cfg: dict) -> None:
         path = ck.save_at(step)
         if s == 0:
             report.say(f"interrupted: checkpoint at step {step} written to {path}")
+    elif job.log_model and not trainer.interrupted and replicas.left is None and replicas.evaluates():
+        # the job's final model, which the driver logs (`train.unshard`): the cadence's own at a checkpoint step
+        ck.save_at(step)
     if snapshotter is not None:
         snapshotter.close()
     if system is not None:
