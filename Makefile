@@ -80,6 +80,9 @@ bench: install
 	$(BIN)/python bench/towers.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/simulate.py
+	$(BIN)/python bench/plan_quality.py
+	$(BIN)/python bench/checkpoint_cost.py
+	$(BIN)/python bench/srp.py
 
 clean:
 	rm -rf $(VENV) runs

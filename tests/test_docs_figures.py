@@ -1,6 +1,9 @@
-"""The figures docs/performance.md quotes are the committed bench/results files' (issue 17,
-acceptance 6): each is recomputed here from its file and looked up in the page, so a rerun of
-`make bench` that moves a figure fails until the page says the new one. Pure Python, no runs."""
+"""The figures the docs quote are the committed bench/results files' (issue 17, acceptance 6;
+issue 30): each is recomputed here from its file and looked up in the page that quotes it
+(docs/performance.md, docs/design-notes.md, README.md), so a rerun of `make bench` that moves a
+figure fails until the page says the new one, and so does a page whose figure is edited. A doc
+that quotes a results file names it with the key its figure comes from (`node_loss.json`,
+`results.group_per_node`): every file named so must be read here. Pure Python, no runs."""
 
 from __future__ import annotations
 
@@ -13,13 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def page() -> str:
-    return re.sub(r"\s+", " ", (ROOT / "docs" / "performance.md").read_text())
+DOCS = ("README.md", "docs/performance.md", "docs/design-notes.md", "docs/reference.md", "k8s/README.md",
+        "dashboards/README.md")
+
+
+def page(doc: str = "docs/performance.md") -> str:
+    return f"{doc}: " + re.sub(r"\s+", " ", (ROOT / doc).read_text())
 
 
 def said(text: str, *figures: str) -> None:
     for f in figures:
-        assert re.sub(r"\s+", " ", f) in text, f"docs/performance.md does not say {f!r}"
+        assert re.sub(r"\s+", " ", f) in text, f"{text.split(':', 1)[0]} does not say {f!r}"
 
 
 def listing(values: list[float], fmt: str = "{:.2f}") -> str:
@@ -137,6 +144,10 @@ def test_failure_free_figures():
     off = [j["median_qps"] for j in ff["jobs"]["off"]]
     said(page(), f"every mechanism off {ff['off']['median_qps']:,.0f} QPS; failures allowed")
     said(page(), f"{ff['failures_allowed']['median_qps']:,.0f} QPS, {ff['failures_allowed_over_off_qps']:.2f}x")
+    said(page(), f"without storage checkpoints {ff['failures_allowed_no_checkpoints']['median_qps']:,.0f} QPS, "
+                 f"{ff['failures_allowed_no_checkpoints_over_off_qps']:.2f}x")
+    ckpt = [j["checkpoint_s"] for j in ff["jobs"]["failures_allowed"] + ff["jobs"]["demo"]]
+    said(page(), f"The storage checkpoints took {min(ckpt):.2f}-{max(ckpt):.2f} s of a job")
     demo = ff["demo"]["median_qps"]
     where = "inside" if min(off) <= demo <= max(off) else "below" if demo < min(off) else "above"
     said(page(), f"{demo:,.0f} QPS, {ff['demo_over_off_qps']:.2f}x, {where} the off jobs' spread "
@@ -155,3 +166,42 @@ def test_torchft_quality_figures():
          f"the killed jobs trained {rows[0]:,}-{rows[-1]:,} rows against {same['rows_trained_failure_free']:,}",
          f"end {-same['mean_difference']:.4f} worse than the killed ones, within 2 seed standard deviations")
     assert not q["within_2_seed_stdev"] and same["within_2_seed_stdev"] and same["mean_difference"] < 0
+
+
+def test_torchft_recovery_figures():
+    """A killed worker's group rebuilt while the others train, as design-notes and the README quote it
+    (issue 28, line 1)."""
+    r = json.loads((RESULTS / "recovery.json").read_text())["results"]["tiny"]
+    a, b = r["torchft"], r["torchft_T6_M3"]
+    ratio = lambda x: x["survivors_qps_during"] / x["survivors_qps_before"]  # noqa: E731
+    sa, sb = a["seconds"], b["seconds"]
+    said(page("docs/design-notes.md"),
+         f"{sa['total']:.1f} s from the kill to the rebuilt group's first committed step (detection "
+         f"{sa['detection']:.1f} s; Ray Train's new worker group and the worker body's imports and build "
+         f"{sa['replacement']:.1f} s; heal {sa['heal']:.1f} s; first step {sa['first_step']:.1f} s)",
+         f"at {ratio(a):.2f}x its QPS before ({a['survivors_qps_during']:,.0f} against {a['survivors_qps_before']:,.0f})",
+         f"at T = 6, M = 3 {sb['total']:.1f} s (replacement {sb['replacement']:.1f} s) with both surviving groups "
+         f"training throughout ({b['survivors_steps_during']} steps) at {ratio(b):.2f}x")
+    assert len(b["kept_training"]) == 2
+    said(page("README.md"), f"{sa['total']:.1f} s from the kill to the group's first committed step at T = 4, M = 2",
+         f"the survivors at {ratio(a):.2f}x their QPS meanwhile")
+
+
+def test_node_loss_figures():
+    g = json.loads((RESULTS / "node_loss.json").read_text())["results"]["group_per_node"]
+    assert g["survivors_kept_their_processes"] and g["status"] == "FINISHED" and g["mlflow_runs"] == 1
+    assert g["ranks_json_records_every_process"] and g["row_audit"]["skipped"] == 0
+    said(page("docs/design-notes.md"),
+         f"that took {g['first_step_after_node_added_s']:.1f} s from the node's return to the group's first committed",
+         f"no batch skipped by the row audit ({g['row_audit']['read_again']} read twice")
+
+
+def test_every_results_file_a_doc_quotes_is_checked_here():
+    """A doc quotes a results file's figure as `<file>.json`, `<key>`: each such file is read above."""
+    quoted = set()
+    for doc in DOCS:
+        quoted |= set(re.findall(r"`([\w.-]+\.json)`,\s*`[\w.<>*/]+", (ROOT / doc).read_text()))
+    source = Path(__file__).read_text()
+    assert quoted and all((RESULTS / f).exists() for f in quoted), quoted
+    unchecked = sorted(f for f in quoted if f'"{f}"' not in source)
+    assert not unchecked, f"docs quote figures of {unchecked}, which this module does not check"

@@ -277,12 +277,13 @@ print(json.dumps({"alone": alone, "dist": dist.is_initialized(), "mine": mine, "
 
 
 def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs, tmp_path):
-    """Issue 30, acceptance 1 and 2, on the M=2 job (T=4, QR with a head cache, logging to the real
+    """Issue 30, acceptance 1, 2 and 3, on the M=2 job (T=4, QR with a head cache, logging to the real
     `mlflow server`): its model is an MLflow model of the run, logged at the final step with
     `eval/ne` linked. A fresh Python process loads it by its URI before anything of Ray, torch
     distributed or recgrid's trainer is imported, and reproduces the job's final eval NE on the
     eval rows (1e-5); `recgrid eval` on the same rows prints the same. `recgrid export` of the
-    job's final storage checkpoint gives the same model, tensor for tensor."""
+    job's final storage checkpoint gives the same model, tensor for tensor. The run's Datasets
+    hold the training and eval inputs with their rows and digests."""
     import json
     import re
 
@@ -317,7 +318,13 @@ def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs,
     assert {m.key: m.value for m in logged.metrics if m.step == step}["eval/ne"] == ne  # linked to the model
     assert got["alone"] == [] and not got["dist"], got  # loading needed no Ray, no process group, no trainer
     assert abs(got["mine"]["ne"] - ne) <= 1e-5 and got["cli"] == got["mine"], (got, ne)
-    assert got["mine"]["rows"] == run.data.metrics["eval/examples"]
+    assert got["mine"]["rows"] == run.data.metrics["eval/examples"] == cfg.data.synth_eval_rows
+    # acceptance 3: the run's Datasets, by context, with their rows and a digest of the file list
+    inputs = {next(t.value for t in d.tags if t.key == "mlflow.data.context"): d.dataset
+              for d in run.inputs.dataset_inputs}
+    rows = {c: json.loads(d.profile)["num_rows"] for c, d in inputs.items()}
+    assert rows == {"training": cfg.data.synth_rows, "eval": cfg.data.synth_eval_rows}, rows
+    assert all(re.fullmatch(r"[0-9a-f]{16}", d.digest) for d in inputs.values())
     exported = mlflow.pytorch.load_model(str(out)).state_dict()
     assert exported.keys() == model.state_dict().keys()
     assert all(torch_equal(v, model.state_dict()[k]) for k, v in exported.items())

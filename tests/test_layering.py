@@ -12,6 +12,7 @@ Walks every module of `recgrid` with `ast` (no import runs) and fails on:
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -119,3 +120,19 @@ def test_the_walker_finds_what_it_must(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy / "recgrid")
     found = violations()
     assert any("planted.py" in v and expected in v for v in found), found
+
+
+def test_the_readme_repository_map_names_every_module() -> None:
+    """README.md's repository map names every module of the package (by its file name, in its
+    sub-package's entry): a module added without a word there fails here."""
+    readme = (ROOT.parent / "README.md").read_text()
+    block = readme[readme.index("## Repository"):]
+    block = block[:block.index("\n```\n", block.index("```") + 3)]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent != PACKAGE / "train" / "recovery":
+            continue
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        if not re.search(rf"\b{re.escape(name)}\b", block):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"README.md's repository map does not name {missing}"

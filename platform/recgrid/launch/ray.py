@@ -206,6 +206,9 @@ def log_job_model(config: JobConfig, tracker: Any, status: dict[str, Any]) -> An
     from recgrid.train.checkpoint import checkpoint_step
     from recgrid.train.unshard import from_checkpoint
 
+    if config.model.towers is not None:
+        say("model: not logged: a Disaggregated Multi-Tower model (model.towers) has no unsharded form yet")
+        return None
     final = (status.get("final") or {}).get("step")
     written = status.get("checkpoints") or []
     path = next((p for p in reversed(written) if checkpoint_step(p) == final), None)
@@ -462,7 +465,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             snapshot_every_syncs=config.snapshot_every_syncs,
             lighthouse=lighthouse.address,
             min_groups=config.min_groups, start_groups=placeable_groups(config),
-            log_model=config.tracking.log_model,
+            log_model=config.tracking.log_model and config.model.towers is None,  # towers: no checkpoint, no model
         )
 
         def run_config(name: str) -> Any:
