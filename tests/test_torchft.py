@@ -39,7 +39,8 @@ def _config(tmp: Path, *extra: str):
         # ended by a graceful stop once the second rebuilt group has healed and synced twice
         "train.max_steps=100000", f"train.batch_size={B}", "train.log_every=10", "train.eval_every=0",
         "train.max_failures=2",
-        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft", *extra,
+        f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft",
+        "tracking.log_model=false", *extra,  # the model's end: test_launcher's M=2 job
     ])
 
 

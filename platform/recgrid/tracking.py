@@ -371,6 +371,7 @@ class Tracker:
         (`model_id`, `model_uri`, `registered_model_version`)."""
         import mlflow
         import mlflow.pytorch
+        from mlflow.entities import LoggedModelStatus
 
         run_id = self._require_run()
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -378,10 +379,17 @@ class Tracker:
         # inferred (MLflow would load the model in a subprocess to watch its imports)
         requirements = installed_requirements(MODEL_STACK)
         # pickled (MLflow's "pt2" would trace forward with torch.export, which a KeyedJaggedTensor input defeats)
-        return mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=input_example,
+        # made here, in the run's experiment (MLflow's own call would put it in the process's current one)
+        logged = self.client.create_logged_model(self.experiment_id or self.client.get_run(run_id).info.experiment_id,
+                                                 name="model", source_run_id=run_id,
+                                                 params={k: str(v) for k, v in (params or {}).items()} or None)
+        info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=input_example,
                                         registered_model_name=register_as, step=int(step), run_id=run_id,
-                                        params=dict(params or {}) or None, pip_requirements=requirements,
+                                        model_id=logged.model_id, pip_requirements=requirements,
                                         serialization_format="pickle")
+        if self.client.get_logged_model(logged.model_id).status != LoggedModelStatus.READY:
+            self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+        return info
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store `text` as an artifact of the run (e.g. the summary table, the resolved config)."""
