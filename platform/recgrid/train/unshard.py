@@ -33,7 +33,7 @@ def checkpoint_compression(path: str, config: "JobConfig") -> Any:
     """The job's QR compression with the head ids the checkpoint at `path` recorded (None: the job
     has none). A compressed job's checkpoint without a record is refused, naming it."""
     from recgrid.data.specs import SPARSE_NAMES
-    from recgrid.train.checkpoint import read_checkpoint
+    from recgrid.train.checkpoint import CheckpointRefused, read_checkpoint
 
     compression = config.compression()
     if compression is None:
@@ -41,6 +41,8 @@ def checkpoint_compression(path: str, config: "JobConfig") -> Any:
     box: dict[str, Any] = {"compression": ""}
     try:
         read_checkpoint(path, box)
+    except CheckpointRefused:
+        raise
     except Exception as e:  # noqa: BLE001 - named below
         raise ValueError(f"{path}: the job compresses its tables (model.compression) but this checkpoint records no "
                          f"compression ({type(e).__name__}): it was written by another job") from None
