@@ -43,6 +43,7 @@ def load_model(ref: str, config_path: str | None = None, overrides: list[str] | 
         return _checkpoint_model(ref, config_path, overrides or [])
     if ":/" not in ref and (os.sep in ref or ref.startswith(".")) and not os.path.isdir(ref):
         raise SystemExit(f"recgrid: {ref}: no such checkpoint or model directory")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a line per file, redrawn, otherwise
     mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
     uri = ref if (":/" in ref or os.path.isdir(ref)) else f"runs:/{ref}/model"
     return mlflow.pytorch.load_model(uri)
