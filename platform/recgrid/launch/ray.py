@@ -84,6 +84,11 @@ class JobActors:
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
 RUNS_END_GRACE_S = 10.0  # after the job's training ended, how long its groups' runs get to end on their own
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
+# Ray Train's controller polls its worker group every 2 s by default (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
+# ray/train/v2/_internal/constants.py DEFAULT_HEALTH_CHECK_INTERVAL_S): a dead worker, and so the restart
+# of its sharding group, and the end of every run are seen up to that much later. A poll is one small
+# call per worker of the run.
+RUN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
 
 
@@ -624,7 +629,10 @@ class JobRuns:
         import ray
 
         trainers = [self.make_run(g, self.nodes_of) for g in range(self.num_groups)]
-        owner = self.owner = GroupRuns.options(scheduling_strategy=self.here, max_concurrency=len(trainers)).remote()
+        # the runs' controllers are this actor's children and inherit its environment
+        env = {k: v for k, v in RUN_ENV.items() if k not in os.environ}  # a value the driver was given wins
+        owner = self.owner = GroupRuns.options(scheduling_strategy=self.here, max_concurrency=len(trainers),
+                                               runtime_env={"env_vars": env} if env else None).remote()
         self.retired = threading.Event()
         return [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) for tr in trainers], self.retired
 
