@@ -1,8 +1,9 @@
 """Recovery under the one fault-tolerance design (every sharding group a Ray Train run of its own),
 and what it costs when nothing fails, on a tiny model and on a model of about 1 GB of tables.
 
-The `torchft` source runs a T=4, M=2, K=5 job on a local Ray cluster with one worker SIGKILLed;
-the other sharding group keeps training. Its seconds from the kill are
+The `torchft` source runs a T=4, M=2, K=5 job on a local Ray cluster with one worker SIGKILLed
+once the job passed step 300 (`--recovery-kill-step`: in steady state, so the survivors' QPS before
+is not the job's start-up); the other sharding group keeps training. Its seconds from the kill are
   detection   -> Ray Train's controller sees the failure
   replacement -> the replacement worker's training function starts (Ray starts a worker: a
                  process, torch, TorchRec)
@@ -253,7 +254,12 @@ def main() -> None:
                     help="torchft: a killed worker's group rebuilt while the others train; failure_free: wall "
                          "seconds and QPS when nothing fails")
     ap.add_argument("--failure-free-reps", type=int, default=3, help="failure_free: jobs per variant")
-    ap.add_argument("--kill-after-step", type=int, default=41, help="kill once the job passed this step")
+    ap.add_argument("--kill-after-step", type=int, default=41,
+                    help="torchft_quality: kill once the job passed this step")
+    ap.add_argument("--recovery-kill-step", type=int, default=300,
+                    help="the torchft shapes: kill once the job passed this step, in steady state (the survivors' "
+                         "QPS before is over as long a span as the recovery: after a kill at step 45 it reached back "
+                         "into the job's first, slow steps)")
     ap.add_argument("--torchft-shapes", default="4x2,6x3",
                     help="T x M of the torchft jobs (the first is reported as `torchft`, the others as `torchft_T<T>_M<M>`)")
     ap.add_argument("--quality-seeds", type=int, default=3,
@@ -308,7 +314,7 @@ def main() -> None:
                     t, m = (int(x) for x in shape.split("x"))
                     key = "torchft" if i == 0 else f"torchft_T{t}_M{m}"
                     print(f"[bench] {model}: torchft, T={t} M={m}, one worker killed ...", file=sys.stderr, flush=True)
-                    results.setdefault(model, {})[key] = run_torchft_case(tmp, model, a.kill_after_step, t, m)
+                    results.setdefault(model, {})[key] = run_torchft_case(tmp, model, a.recovery_kill_step, t, m)
                     print(json.dumps(results[model][key]), file=sys.stderr, flush=True)
                     save()
                 if model == "tiny" and a.quality_seeds:
