@@ -326,23 +326,27 @@ class Checkpointer:
     def load(self, trainer: "Trainer", path: str) -> int:
         """Load the checkpoint at `path` into `trainer` (collective; resharding to the trainer's
         grid as needed). Returns the step it was written at."""
-        import torch.distributed.checkpoint as dcp
-
         if not is_complete(path):
             raise FileNotFoundError(f"{path}: not a complete recgrid checkpoint (no .metadata)")
         sd = trainer.state_dict()
         if "compression" in sd:  # a compressed model: the checkpoint's head ids first, before tables that may not fit
-            record: dict[str, Any] = {"compression": ""}
-            try:
-                read_checkpoint(path, record, trainer.groups.global_pg)
-            except CheckpointRefused:
-                raise
-            except Exception:  # noqa: BLE001 - written by an uncompressed model: no record
-                record["compression"] = None
-            trainer.check_compression(record["compression"])
+            trainer.check_compression(compression_record(path, trainer.groups.global_pg))
         read_checkpoint(path, sd, trainer.groups.global_pg)
         trainer.load_state_dict(sd)
         return trainer.state.step
+
+
+def compression_record(path: str, process_group: Any = None) -> str | None:
+    """The QR compression record (`Trainer.state_dict()["compression"]`, JSON) the checkpoint at
+    `path` holds; None: written by an uncompressed model. A refused checkpoint raises."""
+    record: dict[str, Any] = {"compression": ""}
+    try:
+        read_checkpoint(path, record, process_group)
+    except CheckpointRefused:
+        raise
+    except Exception:  # noqa: BLE001 - written by an uncompressed model: no record
+        return None
+    return record["compression"]
 
 
 def read_checkpoint(path: str, state: dict[str, Any], process_group: Any = None) -> None:

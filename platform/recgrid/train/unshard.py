@@ -33,20 +33,16 @@ def checkpoint_compression(path: str, config: "JobConfig") -> Any:
     """The job's QR compression with the head ids the checkpoint at `path` recorded (None: the job
     has none). A compressed job's checkpoint without a record is refused, naming it."""
     from recgrid.data.specs import SPARSE_NAMES
-    from recgrid.train.checkpoint import CheckpointRefused, read_checkpoint
+    from recgrid.train.checkpoint import compression_record
 
     compression = config.compression()
     if compression is None:
         return None
-    box: dict[str, Any] = {"compression": ""}
-    try:
-        read_checkpoint(path, box)
-    except CheckpointRefused:
-        raise
-    except Exception as e:  # noqa: BLE001 - named below
+    recorded = compression_record(path)
+    if recorded is None:
         raise ValueError(f"{path}: the job compresses its tables (model.compression) but this checkpoint records no "
-                         f"compression ({type(e).__name__}): it was written by another job") from None
-    record = json.loads(box["compression"])
+                         f"compression: it was written by another job")
+    record = json.loads(recorded)
     if (record["threshold_rows"], record["collisions"], record["operation"]) != (
             compression.threshold_rows, compression.collisions, compression.operation):
         raise ValueError(f"{path}: written with QR compression {record['threshold_rows']}/{record['collisions']}/"
