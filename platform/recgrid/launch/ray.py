@@ -646,7 +646,7 @@ class JobRuns:
             lost = [s for s, nodes in enumerate(self.nodes_of) if set(nodes) - alive]  # type: ignore[arg-type]
             if not lost:
                 return None
-            gone = sorted({n[:12] for s in lost for n in self.nodes_of[s]} - alive)  # type: ignore[index]
+            gone = sorted(n[:12] for n in {n for s in lost for n in self.nodes_of[s]} - alive)  # type: ignore[index]
             say(f"host-local: node(s) {', '.join(gone)} holding shard position(s) {lost} of every sharding group "
                 f"are gone, and every copy of those shards with them; the groups' runs are ended and started again "
                 f"on the live nodes, where they restore the newest storage checkpoint")
