@@ -10,7 +10,9 @@ is not the job's start-up); the other sharding group keeps training. Its seconds
   heal        -> the rebuilt group has received a live peer group's state
   first_step  -> the rebuilt group's first committed step (`total`)
 and the surviving group's QPS during the recovery against as long a span before the failure, at
-T=4 M=2 and T=6 M=3 (`--torchft-shapes`). On the tiny model it also sets the final eval NE of a
+T=4 M=2 and T=6 M=3 (`--torchft-shapes`). Where this machine's cores went from the kill to that
+first step (`cpu_during_recovery`, sampled with psutil): the processes Ray Train's restart started
+(the new workers, and the run's other actors), the workers that kept training, and the rest. On the tiny model it also sets the final eval NE of a
 fixed-length job with one worker killed against the failure-free run of the same seed, for each
 of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`),
 and against a failure-free run stopped at as many rows as the killed job trained (`same_rows`).
@@ -61,7 +63,8 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: in
                  "train.max_failures=1", "data.eval=[]",
                  # the 3 logical CPUs of the bench's cluster, less a Ray Data read task's quarter
                  f"train.cpus_per_worker={min(0.5, 0.25 * (10 // world_size))}"]
-    result, kill = _torchft_job(tmp, model, overrides, kill_after_step, stop_after_recovery=10)
+    with CpuSampler() as cpu:
+        result, kill = _torchft_job(tmp, model, overrides, kill_after_step, stop_after_recovery=10)
     events = [e for e in result.events if "seconds" in e]
     if result.status != "FINISHED" or not events:
         raise RuntimeError(f"{model}/torchft: the job did not recover: {result.status} {result.error}")
@@ -77,7 +80,86 @@ def run_torchft_case(tmp: Path, model: str, kill_after_step: int, world_size: in
             # no survivor figures: no other group committed a step between the failure and this one
             "kept_training": e["kept_training"], "survivors_steps_during": e.get("survivors_steps", 0),
             "survivors_qps_during": round(e.get("survivors_qps", 0.0), 1),
-            "survivors_qps_before": round(e.get("survivors_qps_before", 0.0), 1)}
+            "survivors_qps_before": round(e.get("survivors_qps_before", 0.0), 1),
+            "cpu_during_recovery": cpu.recovery(kill["time"], e["t_attempt_start"], e["t_first_step"])}
+
+
+class CpuSampler:
+    """Every process's CPU seconds on this machine, sampled every SAMPLE_S while a job runs
+    (psutil), and where the cores went between a kill and the rebuilt group's first committed step
+    (`recovery`): the processes the restart started (Ray Train's new workers, and the run's other new
+    actors), the workers that kept training, and the rest (Ray's own processes, job control, the
+    driver); in core-seconds, and the surviving workers' cores before the kill against during."""
+
+    SAMPLE_S = 0.25
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, dict[int, tuple[str, float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            now, procs = time.time(), {}
+            for p in psutil.process_iter(["pid", "name", "cmdline", "cpu_times", "create_time"]):
+                try:
+                    c, cmd = p.info["cpu_times"], p.info["cmdline"] or [p.info["name"] or "?"]
+                    procs[p.info["pid"]] = (cmd[0][:60], c.user + c.system, p.info["create_time"])
+                except (psutil.Error, TypeError, IndexError):
+                    continue
+            self.samples.append((now, procs))
+            self._stop.wait(self.SAMPLE_S)
+
+    def _at(self, t: float) -> dict[int, tuple[str, float, float]]:
+        return min(self.samples, key=lambda s: abs(s[0] - t))[1]
+
+    def recovery(self, kill: float, fn_start: float, first_step: float) -> dict[str, Any]:
+        """Core-seconds from `kill` to `first_step` by kind of process; a train worker's kind by its
+        name at both ends (Ray names an actor's process after its class once the actor is created,
+        `ray::IDLE` before: a worker Ray had started ahead is new too)."""
+        window = first_step - kill
+        a, b = self._at(kill), self._at(first_step)
+        used: dict[str, float] = {"new_train_workers": 0.0, "new_ray_train_actors": 0.0,
+                                  "surviving_train_workers": 0.0, "ended": 0.0, "other": 0.0}
+        survivors, new_workers = [], []
+        for pid, (name, cpu, created) in b.items():
+            was = a.get(pid)
+            since = cpu - (was[1] if was else 0.0)
+            if "RayTrainWorker" in name and was and "RayTrainWorker" in was[0]:
+                used["surviving_train_workers"] += since
+                survivors.append(pid)
+            elif "RayTrainWorker" in name:
+                used["new_train_workers"] += since
+                new_workers.append(pid)
+            elif was is None and name.startswith("ray::"):
+                used["new_ray_train_actors"] += since
+            else:
+                used["other"] += since
+        for pid, (name, cpu, created) in a.items():  # ended in the window: the failed group's other workers
+            if pid not in b:
+                last = [s[1][pid][1] for s in self.samples if kill <= s[0] <= first_step and pid in s[1]]
+                used["ended"] += (last[-1] - cpu) if last else 0.0
+        before_a = self._at(kill - window)
+        survivors_before = sum(a[p][1] - before_a[p][1] for p in survivors if p in before_a)
+        # each new worker's CPU seconds from the kill (or its start) to recgrid's training function:
+        # Ray's start of the process and the imports
+        at_fn = self._at(fn_start)
+        before_fn = sorted(round(at_fn[p][1] - (a[p][1] if p in a else 0.0), 2) for p in new_workers if p in at_fn)
+        return {"window_s": round(window, 2), "cores": os.cpu_count(),
+                "core_s": {k: round(v, 2) for k, v in used.items()},
+                "new_train_worker_core_s_before_training_function": before_fn,
+                "surviving_train_workers_cores_before": round(survivors_before / window, 2),
+                "surviving_train_workers_cores_during": round(used["surviving_train_workers"] / window, 2)}
 
 
 # what a failure-free job of the demo's shape runs with, per variant of `run_failure_free`

@@ -175,14 +175,21 @@ def test_torchft_recovery_figures():
     a, b = r["torchft"], r["torchft_T6_M3"]
     ratio = lambda x: x["survivors_qps_during"] / x["survivors_qps_before"]  # noqa: E731
     sa, sb = a["seconds"], b["seconds"]
+    cpu = a["cpu_during_recovery"]
+    core_s, each = cpu["core_s"], cpu["new_train_worker_core_s_before_training_function"]
     said(page("docs/design-notes.md"),
          f"{sa['total']:.1f} s from the kill to the rebuilt group's first committed step (detection "
-         f"{sa['detection']:.1f} s; Ray Train's new worker group and the worker body's imports and build "
+         f"{sa['detection']:.1f} s; Ray Train's new worker group until recgrid's training function starts "
          f"{sa['replacement']:.1f} s; heal {sa['heal']:.1f} s; first step {sa['first_step']:.1f} s)",
          f"at {ratio(a):.2f}x its QPS before ({a['survivors_qps_during']:,.0f} against {a['survivors_qps_before']:,.0f})",
          f"at T = 6, M = 3 {sb['total']:.1f} s (replacement {sb['replacement']:.1f} s) with both surviving groups "
-         f"training throughout ({b['survivors_steps_during']} steps) at {ratio(b):.2f}x")
-    assert len(b["kept_training"]) == 2
+         f"training throughout ({b['survivors_steps_during']} steps) at {ratio(b):.2f}x",
+         f"in those {cpu['window_s']:.1f} s at T = 4", f"workers {core_s['new_train_workers']:.1f} core-seconds, each "
+         f"{sum(each) / len(each):.1f} before", f"ahead) {core_s['new_ray_train_actors']:.1f};",
+         f"the surviving workers {core_s['surviving_train_workers']:.1f} ({cpu['surviving_train_workers_cores_during']:.2f} "
+         f"cores, {cpu['surviving_train_workers_cores_before']:.2f} before the kill); Ray's own processes, job control "
+         f"and the driver {core_s['other']:.1f}")
+    assert len(b["kept_training"]) == 2 and cpu["cores"] == 2
     said(page("README.md"), f"{sa['total']:.1f} s from the kill to the group's first committed step at T = 4, M = 2",
          f"the survivors at {ratio(a):.2f}x their QPS meanwhile")
 

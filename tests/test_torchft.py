@@ -310,10 +310,12 @@ def test_a_restore_reads_the_rows_after_the_restored_step_again_and_skips_none(l
 
 
 # ---- the replica average itself: three real torchft managers (gloo) in threads, no Ray ---------------
-def _managers(n: int, body) -> list:
+def _managers(n: int, body, min_replicas: int | None = None, heartbeat_timeout_ms: int = 5000,
+              job_lighthouse: bool = False) -> list:
     """`n` torchft managers joined in one quorum by a real lighthouse (each replica a thread with its
     own TCPStore and gloo process group); each runs `body(i, component)` with the component over
-    its manager. Returns each replica's result."""
+    its manager. Later quorums need `min_replicas` (default: all `n`); `job_lighthouse`: recgrid's
+    own (`train.recovery.peers.Lighthouse`, as a job's driver starts it). Returns each replica's result."""
     import threading
     from datetime import timedelta
     from types import SimpleNamespace
@@ -323,9 +325,17 @@ def _managers(n: int, body) -> list:
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
-    from recgrid.train.recovery.peers import TorchftReplicas
+    from recgrid.train.recovery.peers import Lighthouse, TorchftReplicas
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=10_000)
+    least = n if min_replicas is None else min_replicas
+    if job_lighthouse:
+        job = Lighthouse("127.0.0.1", min_groups=least)
+        lighthouse, address = job.server, job.address
+    else:
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=least, join_timeout_ms=10_000,
+                                      heartbeat_timeout_ms=heartbeat_timeout_ms)
+        address = lighthouse.address()
+    beating = threading.Barrier(n)  # every manager beats before the first quorum is asked for
     out: list = [None] * n
     errors: list = []
 
@@ -333,15 +343,17 @@ def _managers(n: int, body) -> list:
         manager = None
         try:
             store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), load_state_dict=lambda sd: None,
-                              state_dict=lambda: {}, min_replica_size=n, use_async_quorum=False,
+            pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
+            manager = Manager(pg=pg, load_state_dict=lambda sd: None,
+                              state_dict=lambda: {}, min_replica_size=least, use_async_quorum=False,
                               timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30), rank=0,
                               world_size=1, replica_id=f"avg_{i}", store_addr="localhost", store_port=store.port,
-                              lighthouse_addr=lighthouse.address())
+                              lighthouse_addr=address)
+            beating.wait(timeout=60)
             manager.start_quorum()
             # the component needs only the trainer's device, a model (no DDP in it) and the live count
             reps = TorchftReplicas(SimpleNamespace(device=torch.device("cpu"), model=torch.nn.Module()), manager,
-                                   heal=None, listener=None)
+                                   heal=None, listener=None, replica_pg=pg)
             reps.live = manager.num_participants()
             out[i] = body(i, reps)
         except BaseException as e:  # noqa: BLE001 - raised below, with the replica named
@@ -383,6 +395,89 @@ def test_replica_average_keeps_identical_fp16_rows_bit_identical():
         assert changed == 0, f"{changed} of {rows.numel()} identical fp16 rows changed by the average"
         assert torch.equal(bf16, rows[:100].to(torch.bfloat16))
         assert torch.allclose(fp32, torch.full((8,), 1.0))  # (0 + 1 + 2) / 3
+
+
+def test_a_round_one_live_group_gave_up_frees_the_others_collective_at_once():
+    """Three groups. Group 1 stops beating to the lighthouse but its process keeps its sockets (a
+    killed worker's group-mate before Ray Train ends it). Group 0's round failed (its collective
+    with group 1 did) and torchft skips the round's other collectives; group 2 is still to enter
+    one of them. Group 0 abandons the round (`TorchftReplicas._abandon_round`): group 2's
+    collective fails on group 0's closed connections, not at the collective timeout, and the two
+    meet in a new quorum and average again. (Without the abort group 2 waited for group 0, and
+    group 0 at the quorum for group 2, which it needs: more than half of the beating groups.)"""
+    import threading
+    import time
+
+    import torch
+
+    done = threading.Event()
+    started, finished = threading.Barrier(3), threading.Barrier(2, action=done.set)
+
+    def body(i, reps):
+        m = reps.manager
+        started.wait()
+        if i == 1:
+            m.shutdown(wait=False)  # no beats; the process group stays open until the others are through
+            done.wait(60)
+            return None
+        if i == 0:
+            m.report_error(RuntimeError("a collective with group 1 failed"))
+        else:
+            time.sleep(0.5)  # group 0 gave the round up first
+            m.allreduce(torch.ones(4)).wait()
+        failed = m.errored()
+        reps._abandon_round()
+        m.start_quorum()
+        live = m.num_participants()
+        t = torch.full((4,), float(i))
+        m.allreduce(t).wait()
+        finished.wait(timeout=60)
+        return str(getattr(failed, "original_exception", failed)), live, t.tolist(), m.errored()
+
+    try:
+        got = _managers(3, body, min_replicas=1, heartbeat_timeout_ms=1000)
+    finally:
+        done.set()
+    (_, live0, avg0, err0), (failed2, live2, avg2, err2) = got[0], got[2]
+    assert "timed out" not in failed2.lower() and "timeout" not in failed2.lower(), failed2
+    assert "closed" in failed2.lower() or "reset" in failed2.lower(), failed2
+    assert (live0, live2) == (2, 2)
+    assert err0 is None and err2 is None
+    assert avg0 == avg2 == [1.0] * 4  # (0 + 2) / 2
+
+
+def test_the_job_lighthouse_waits_for_a_live_group_that_comes_late_to_a_quorum():
+    """Three live groups agreed to meet (a group waits to join, a drain); one reaches the quorum half a
+    second after the others (its steps were slower). The job's lighthouse waits for it: all three
+    are in the new quorum. (torchft's default join timeout, 100 ms, left it out, and it then waited
+    alone for a quorum of its own until its quorum timeout: more than half of the beating groups.)"""
+    import time
+
+    def body(i, reps):
+        if i == 2:
+            time.sleep(0.5)
+        reps.manager.start_quorum()
+        return reps.manager.num_participants()
+
+    assert _managers(3, body, min_replicas=1, job_lighthouse=True) == [3, 3, 3]
+
+
+def test_an_abandoned_round_with_every_group_alive_meets_in_a_new_process_group():
+    """A round that failed everywhere with nobody gone (a collective timed out): the groups abandon it
+    (`TorchftReplicas._abandon_round`: their process groups aborted, the round voted down), and the
+    next quorum, of the same groups, builds them new process groups to average over."""
+    import torch
+
+    def body(i, reps):
+        reps.manager.report_error(RuntimeError("a collective timed out"))
+        reps._abandon_round()
+        reps.manager.start_quorum()
+        t = torch.full((4,), float(i))
+        reps.manager.allreduce(t).wait()
+        return t.tolist(), reps.manager.errored(), reps.manager.num_participants()
+
+    for avg, err, live in _managers(2, body):
+        assert err is None and live == 2 and avg == [0.5] * 4
 
 
 def test_delayed_moment_sync_lands_each_average_one_sync_late():

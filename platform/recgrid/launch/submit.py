@@ -297,14 +297,11 @@ def token_source() -> str | None:
 
 def enable_token_auth() -> str | None:
     """Switch this client to token mode when a token is at hand and RAY_AUTH_MODE is unset (Ray's
-    client sends no token otherwise). Returns where the token comes from."""
+    client sends no token otherwise). Ray reads the mode once, as it is imported: `recgrid submit`
+    calls this before anything imports Ray. Returns where the token comes from."""
     source = token_source()
     if source and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
-        if "ray._raylet" in sys.modules:  # Ray read its config already: make it read the mode again
-            from ray._raylet import Config
-
-            Config.initialize("")
     return source
 
 

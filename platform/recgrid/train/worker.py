@@ -178,7 +178,7 @@ def train_group_worker(cfg: dict) -> None:
     progress = GroupProgress(control, g, s, trainer, job.checkpoint_every)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
                                                   drain_notice=ray.train.get_preemption_info, joins=progress,
-                                                  peers=T > L)
+                                                  peers=T > L, replica_pg=replica_pg)
 
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())

@@ -44,12 +44,15 @@ path's, the component decides what differs:
      embedding weights and moments, into a buffer (torchft's LocalSGD idea), with a flag: whether
      a group waits to join or leaves. Then the group's L workers agree, in one small all-reduce
      over the group's process group, that no collective of the round failed on any of them (so
-     they commit alike; no vote of the live groups: a failure reaches every group's collective),
-     and on what the next block's start does; the manager's step follows the trainer's. Only a
-     committed round's dense optimizer steps, its averaged tables land (`sync`) and the step
-     count advances. A round that does not commit (a peer died inside it) is not a step: the
-     next round takes the next batch under the same step number, after a quorum (a group left
-     behind by it heals there from a live peer). With delayed moment sync the sync averages the
+     they commit alike; no vote of the live groups on a round that commits: a failure reaches
+     every group's collective), and on what the next block's start does; the manager's step
+     follows the trainer's. Only a committed round's dense optimizer steps, its averaged tables
+     land (`sync`) and the step count advances. A round that does not commit (a peer died inside
+     it) is not a step: its workers abort their process groups across the groups at once, so no
+     live peer group waits in one of its collectives for them, and vote it down in torchft's
+     commit, so the next quorum is a new one (`_abandon_round`); the next round takes the next
+     batch under the same step number, after that quorum (a group left behind by it heals there
+     from a live peer). With delayed moment sync the sync averages the
      weights only; the moments go into an average that overlaps the next block and lands at the
      next committed sync (`_delayed_moments`).
   4. at logging steps the metric sums are reduced over the sharding group, then over the live
@@ -100,7 +103,13 @@ if TYPE_CHECKING:
     from recgrid.train.recovery.storage import StorageFallback
 
 TIMEOUT_S = 30  # collectives and the heal transfer; a dead peer's sockets close, so its collectives fail sooner
-QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout (60 s): a peer evaluating is waited for
+QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout: a peer evaluating is waited for
+# how long torchft's lighthouse waits, once more than half of the beating groups ask for a quorum, for
+# the other beating ones (torchft's Python default is 100 ms: a live group that reached a quorum the
+# live groups agreed on 100 ms after the first was left out of it, and then waited alone, short of
+# more than half, until its quorum timeout); a dead group stops beating and is left out after
+# LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS whatever this says
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 60_000
 
 
 GROUP_START_S = 120  # how long a sharding group's manager waits to reach its group's store and the lighthouse
@@ -141,8 +150,9 @@ class GroupWorld:
 class Lighthouse:
     """torchft's lighthouse for one job, owned by its driver (it lives as long as the job, whatever
     happens to the sharding groups' runs): a quorum needs `min_groups` live sharding groups (the
-    job's `min_groups`: one unless `grid.min_world_size` asks for more), and a group
-    whose manager stopped beating for LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out. It listens on
+    job's `min_groups`: one unless `grid.min_world_size` asks for more) and waits for every group
+    that beats (up to LIGHTHOUSE_JOIN_TIMEOUT_MS), and a group whose manager stopped beating for
+    LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS is left out. It listens on
     `host` (the node's own address, not every interface: `bind_host`)."""
 
     def __init__(self, host: str, min_groups: int = 1) -> None:
@@ -150,7 +160,8 @@ class Lighthouse:
         from torchft.coordination import LighthouseServer
 
         at = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
-        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=min_groups, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
+        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=min_groups, join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
+                                       heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
         port = self.server.address().rsplit(":", 1)[1]  # it advertises the hostname: the workers dial `host`
         self.address = f"http://{at}:{port}"
 
@@ -298,7 +309,7 @@ class TorchftReplicas(Replicas):
     def __init__(self, trainer: Trainer, manager: Any, heal: HealTransport, listener: GroupListener,
                  group_size: int = 1, fallback: "StorageFallback | None" = None,
                  drain_notice: Callable[[], Any] | None = None, joins: "JoinSignal | None" = None,
-                 peers: bool = True) -> None:
+                 peers: bool = True, replica_pg: Any = None) -> None:
         super().__init__(trainer)
         # a round's quorum and its commit talk to the other sharding groups: charged to "sync"; a job of
         # one sharding group (M = 1) has none to talk to, and charges no sync
@@ -306,6 +317,7 @@ class TorchftReplicas(Replicas):
         keep_local_gradients(trainer.model)  # `commit` averages the dense gradients
         self.joins = joins  # a sharding group waiting to join: the live groups then meet (`JoinSignal`)
         self.manager, self.heal, self.listener, self.group_size = manager, heal, listener, group_size
+        self.replica_pg = replica_pg  # the manager's process group across the live groups (`make_manager`)
         self.fallback = fallback
         # Ray Train's notice that a node of this group's run is being drained (`ray.train.get_preemption_info`:
         # a collective over the run's workers, asked by all of them at the same round), or None
@@ -438,7 +450,22 @@ class TorchftReplicas(Replicas):
             why = str(getattr(err, "original_exception", err) or "a group-mate's collective failed").splitlines()[0][:200]
             self.listener.say(f"sharding group {self.heal.group}: the round for step {step} did not commit ({why}); "
                               f"the next round takes the next batch")
+            self._abandon_round()
         return committed
+
+    def _abandon_round(self) -> None:
+        """After a round that did not commit, on every worker of the group (they agreed on it): this
+        worker's process group across the live groups is aborted at once, and the group votes the
+        round down in torchft's own commit (`Manager.should_commit`), so the next quorum is a new
+        one (the lighthouse moves to a new quorum id after a failed commit) and configures a new
+        process group. The abort is for the other live groups: torchft skips a round's collectives
+        after its first error, so a peer group can still be inside one with this worker, waiting for
+        data it will never send; with three groups or more the two would wait for each other until
+        the collective timeout, one in the collective and the other at the quorum, which waits for
+        every beating group (`Lighthouse`)."""
+        if self.replica_pg is not None:
+            self.replica_pg.abort()
+        self.manager.should_commit()
 
     def sync(self, step: int) -> float:
         """Land the committed round's table average (the replica sync of this path)."""
