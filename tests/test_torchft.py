@@ -530,6 +530,24 @@ def test_job_control_pins_each_groups_cursor_at_checkpoint_steps_and_rewinds_to_
     assert c.rewind_groups(10) == cursors  # a group restoring it after the first: the same cursors
 
 
+def test_job_control_answers_every_progress_note_with_the_asks_still_open():
+    """The join signal's source (`JobControl.joining`, `group_progress`): group 0 asks for its first
+    quorum, then group 1 does and its first quorum forms without group 0 (group 0's manager had
+    not beaten yet). Group 1's progress notes answer with group 0's ask until group 0 commits, so
+    group 1 hears it, although it was made before group 1's own (a count of asks hid it, and group 0
+    waited until group 1 ended); a group's own ask closes at its own note; a rebuilt group's new ask
+    is a new one."""
+    from recgrid.train.control import JobControlImpl
+
+    c = JobControlImpl()
+    first0, first1 = c.joining(0), c.joining(1)
+    assert c.group_progress(1, 5, {}, time.time()) == {0: first0}
+    assert c.group_progress(1, 10, {}, time.time()) == {0: first0}  # group 0 still waits
+    assert c.group_progress(0, 10, {}, time.time()) == {}  # it joined: its ask closed, and group 1's
+    again = c.joining(0)  # group 0 rebuilt
+    assert again > first1 and c.group_progress(1, 15, {}, time.time()) == {0: again}
+
+
 def test_job_control_says_which_groups_train_on_when_one_leaves_at_a_drain():
     """`group_leaves` answers a group leaving at a drain with the groups that stay (none: it is the
     last, and writes a storage checkpoint first); a group that commits again is back; `over` holds

@@ -66,6 +66,8 @@ class JobControlImpl:
         self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
         self.leaves: list[dict[str, Any]] = []  # torchft: each sharding group's leaving at a drain (group, step, at)
         self.joins = 0  # torchft: how many times a sharding group asked for its first quorum (`joining`)
+        # torchft: the groups that asked for their first quorum and have not committed since -> their ask's number
+        self.asking: dict[int, int] = {}
         # the actor serves 4 calls at once, and Ray serialises a return value after the method returned: the
         # attempts' and groups' records are changed, and handed out as copies, under this lock (a reply
         # serialised while a commit appended to a group's history reached a worker as msgpack it could not
@@ -148,19 +150,22 @@ class JobControlImpl:
 
     def joining(self, group: int) -> int:
         """Sharding group `group` asks for its first quorum (it starts, is rebuilt or comes back):
-        the live groups meet when they hear of it (`group_progress`'s answer). Returns how many
-        groups have asked so far."""
+        the live groups meet when they hear of it (`group_progress`'s answer). Returns the ask's
+        number (how many asks so far)."""
         with self._lock:
             self.joins += 1
+            self.asking[group] = self.joins
             return self.joins
 
     def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
-                       checkpoint_every: int = 0) -> int:
+                       checkpoint_every: int = 0) -> dict[int, int]:
         """Sharding group `group` committed the sync step `step`; its data cursor is `cursor`
         (torchft: `train.recovery.peers`). The last GROUP_HISTORY notes' (time, step) are kept for the
         recovery's rates, and the group's cursor at every storage checkpoint step (a multiple of
         `checkpoint_every`) it committed or was away for (then its cursor stood where its last
-        note left it). Returns how many groups have asked for their first quorum (`joining`)."""
+        note left it). Returns the asks still open (`joining`): group -> its ask's number, for the
+        groups that asked for their first quorum and have not committed since (a committed sync
+        step means a group is in a quorum: its own ask closes here)."""
         with self._lock:
             g = self.groups.setdefault(group, {"history": []})
             if checkpoint_every:
@@ -174,7 +179,8 @@ class JobControlImpl:
             g.update(step=step, cursor=cursor, at=when)
             g["history"].append((when, step))
             del g["history"][:-GROUP_HISTORY]
-            return self.joins
+            self.asking.pop(group, None)
+            return dict(self.asking)
 
     def cursors_at(self, step: int) -> dict[int, dict[str, Any] | None]:
         """Every sharding group's data cursor at storage checkpoint step `step` (None: the start of

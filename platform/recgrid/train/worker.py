@@ -227,16 +227,21 @@ class GroupProgress:
     """Shard rank 0's notes of its sharding group's progress to job control (`note`, after every
     committed sync step: the step and the data cursor, `JobControl.group_progress`; a rebuilt group
     reads on from its own newest note), and the component's `train.recovery.peers.JoinSignal` on top of them:
-    each note's answer, read at the next sync step without waiting for it, is how many groups have
-    asked for their first quorum (`JobControl.joining`), so the live groups learn of a waiting
-    group without a call of their own. The other shard ranks note nothing and hear nothing (their
-    group-mate's word reaches them through the group's agreement, `TorchftReplicas.commit`)."""
+    each note's answer, read at the next sync step without waiting for it, is the asks still open
+    (`JobControl.joining`: the groups that asked for their first quorum and have not committed
+    since), so the live groups learn of a waiting group without a call of their own. Every open ask
+    this worker has not met for yet is heard once, whenever it was made: a group that asked before
+    this one's first quorum and is not in it is heard too (counting asks, a group's own ask hid the
+    asks made before it, and a group the first quorum left out waited until the others ended). An
+    ask of a group that was in that quorum may be heard once more: one quorum in which nothing
+    changes. The other shard ranks note nothing and hear nothing (their group-mate's word reaches
+    them through the group's agreement, `TorchftReplicas.commit`)."""
 
     def __init__(self, control: Any, group: int, shard: int, trainer: Trainer, checkpoint_every: int) -> None:
         self.control, self.group, self.shard, self.trainer = control, group, shard, trainer
         self.checkpoint_every = checkpoint_every
-        self.seen = 0  # the newest count of asking groups this worker has heard
-        self.heard = False  # a count newer than `seen` arrived and nobody has been told yet
+        self.met: set[tuple[int, int]] = set()  # the asks (group, number) this worker has heard
+        self.heard = False  # an ask not in `met` arrived and nobody has been told yet
         self._answer: Any = None  # the newest note's reply, not read yet
 
     def note(self, step: int) -> None:
@@ -250,7 +255,7 @@ class GroupProgress:
         import ray
 
         if self.shard == 0:
-            self.seen = max(self.seen, ray.get(self.control.joining.remote(self.group)))
+            ray.get(self.control.joining.remote(self.group))
 
     def pending(self) -> bool:
         self._read()
@@ -262,9 +267,11 @@ class GroupProgress:
 
         if self._answer is None or not ray.wait([self._answer], timeout=0)[0]:
             return
-        joins, self._answer = ray.get(self._answer), None
-        if joins > self.seen:
-            self.seen, self.heard = joins, True
+        asks, self._answer = ray.get(self._answer), None
+        new = set(asks.items()) - self.met
+        if new:
+            self.met |= new
+            self.heard = True
 
 
 def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
