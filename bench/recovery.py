@@ -10,12 +10,13 @@ is not the job's start-up); the other sharding group keeps training. Its seconds
   heal        -> the rebuilt group has received a live peer group's state
   first_step  -> the rebuilt group's first committed step (`total`)
 and the surviving group's QPS during the recovery against as long a span before the failure, at
-T=4 M=2 and T=6 M=3 (`--torchft-shapes`). Where this machine's cores went from the kill to that
+T=4 M=2 and T=6 M=3 (`--torchft-shapes`), and where this machine's cores went from the kill to that
 first step (`cpu_during_recovery`, sampled with psutil): the processes Ray Train's restart started
-(the new workers, and the run's other actors), the workers that kept training, and the rest. On the tiny model it also sets the final eval NE of a
-fixed-length job with one worker killed against the failure-free run of the same seed, for each
-of `--quality-seeds` seeds, and the failure-free runs' spread over the seeds (`torchft_quality`),
-and against a failure-free run stopped at as many rows as the killed job trained (`same_rows`).
+(the new workers, and the run's other actors), the workers that kept training, and the rest. On
+the tiny model it also sets the final eval NE of a fixed-length job with one worker killed against
+the failure-free run of the same seed, for each of `--quality-seeds` seeds, and the failure-free
+runs' spread over the seeds (`torchft_quality`), and against a failure-free run stopped at as many
+rows as the killed job trained (`same_rows`).
 
 The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
 jobs each): every mechanism off (no failure survived, no in-memory snapshot, no storage checkpoint),

@@ -104,12 +104,6 @@ if TYPE_CHECKING:
 
 TIMEOUT_S = 30  # collectives and the heal transfer; a dead peer's sockets close, so its collectives fail sooner
 QUORUM_TIMEOUT_S = 120  # longer than the lighthouse's join timeout: a peer evaluating is waited for
-# how long torchft's lighthouse waits, once more than half of the beating groups ask for a quorum, for
-# the other beating ones (torchft's Python default is 100 ms: a live group that reached a quorum the
-# live groups agreed on 100 ms after the first was left out of it, and then waited alone, short of
-# more than half, until its quorum timeout); a dead group stops beating and is left out after
-# LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS whatever this says
-LIGHTHOUSE_JOIN_TIMEOUT_MS = 60_000
 
 
 GROUP_START_S = 120  # how long a sharding group's manager waits to reach its group's store and the lighthouse
@@ -117,6 +111,12 @@ GROUP_START_S = 120  # how long a sharding group's manager waits to reach its gr
 # (torchft's default is 5 s: the groups that kept training would wait that long after every failure);
 # managers beat every 100 ms
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
+# how long torchft's lighthouse waits, once more than half of the beating groups ask for a quorum, for
+# the other beating ones (torchft's Python default is 100 ms: a live group that reached a quorum the
+# live groups agreed on 100 ms after the first was left out of it, and then waited alone, short of
+# more than half, until its quorum timeout); a dead group stops beating and is left out after
+# LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS whatever this says
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 60_000
 LOCAL_LIGHTHOUSE_HOST = "127.0.0.1"  # a local job's lighthouse address when the hostname does not resolve
 # how often a sharding group asks Ray Train whether a node of its run is being drained (at a sync step
 # its workers agreed on at the one before): Ray Train's own watcher polls Ray every 5 s, and a
@@ -160,7 +160,8 @@ class Lighthouse:
         from torchft.coordination import LighthouseServer
 
         at = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
-        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=min_groups, join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
+        self.server = LighthouseServer(bind=f"{at}:0", min_replicas=min_groups,
+                                       join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
                                        heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS)
         port = self.server.address().rsplit(":", 1)[1]  # it advertises the hostname: the workers dial `host`
         self.address = f"http://{at}:{port}"
