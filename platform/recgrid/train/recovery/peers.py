@@ -345,12 +345,16 @@ class TorchftReplicas(Replicas):
         self._quorum_next = False
         if not meet:
             return "train"  # no quorum: the live groups are those of the last one (the module docstring, 1.)
-        if self.live is None and self.joins is not None:
-            self.joins.announce()  # the live groups meet at their next block start, with this group
         # torchft's manager server waits for every worker of the group at a quorum, and a dead group-mate
         # never comes (its wait ends at the quorum timeout): the group meets first, over its own process
         # group, where a dead mate fails the round at once (and Ray Train restarts the group)
         self._group_meets()
+        if self.live is None and self.joins is not None:
+            # the live groups meet at their next block start, with this group: asked only once the whole group
+            # is here, right before its quorum (asked before, while a group-mate was still starting, the live
+            # groups could meet first and alone, torchft's fast quorum, and this group then waited out its
+            # quorum timeout)
+            self.joins.announce()
         self.manager.start_quorum()  # heals this sharding group here when it is behind
         if self.live is None:  # this group's first quorum
             self._maybe_restore()
