@@ -117,6 +117,38 @@ def test_attach_logs_into_the_same_run(store: str) -> None:
     assert client.get_run(driver.run_id).info.status == "FINISHED"
 
 
+def _start_a_run(uri: str, barrier, results) -> None:
+    try:
+        tracker = Tracker(experiment="t-race", tracking_uri=uri)
+        barrier.wait()  # every process opens the new store at the same moment
+        with tracker.start("race"):
+            pass
+        results.put("ok")
+    except BaseException as e:
+        results.put(f"{type(e).__name__}: {e}"[:300])
+
+
+def test_processes_that_open_one_new_sqlite_store_at_once_all_start_their_runs(tmp_path) -> None:
+    # forked, so each process opens the store at once instead of after seconds of importing MLflow
+    import importlib
+    import multiprocessing
+
+    importlib.import_module("mlflow.store.tracking.sqlalchemy_store")  # before the fork, not in each child
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_start_a_run, args=(uri, barrier, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert outcomes == ["ok"] * 4
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("t-race").experiment_id])
+    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+
+
 def test_the_runs_datasets_are_its_training_and_eval_data(store: str, tmp_path, monkeypatch) -> None:
     """The run's Datasets: one per context, named by the globs, the rows in the profile, and a
     digest of the file list that changes when a file changes (size or mtime), not otherwise."""

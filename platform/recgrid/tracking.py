@@ -121,6 +121,22 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def _open_client(tracking_uri: str) -> Any:
+    """An `MlflowClient` on `tracking_uri`, its store opened. The first open of a new SQLite file creates
+    MLflow's schema, and processes creating it at once fail all but one (SQLAlchemy's `table ... already
+    exists`), so recgrid's processes open a SQLite store in turn, through a lock file beside it."""
+    from mlflow.tracking import MlflowClient
+
+    db = _sqlite_path(tracking_uri)
+    if db is None:
+        return MlflowClient(tracking_uri=tracking_uri)
+    import fcntl
+
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return MlflowClient(tracking_uri=tracking_uri)
+
+
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested dicts → `{"a.b.c": "value"}` with every value stringified and cut to MLflow's limit."""
     flat: dict[str, str] = {}
@@ -204,9 +220,7 @@ class Tracker:
             # the first open of a new SQLite store runs dozens of schema migrations, each logged
             for name in ("alembic", "mlflow.store.db.utils"):
                 logging.getLogger(name).setLevel(logging.WARNING)
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._client = _open_client(self.tracking_uri)
         return self._client
 
     def _experiment_id(self) -> str:
