@@ -10,6 +10,8 @@ container runs as whom, where each secret comes from, what the RayJob's command 
 from __future__ import annotations
 
 import copy
+import gzip
+import hashlib
 import ipaddress
 import json
 import math
@@ -31,10 +33,10 @@ from recgrid.engine.grid import Grid
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 EXAMPLES = K8S / "examples"  # not applied: k8s/README.md applies k8s/*.yaml
-SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay-v1.7.0"
+SCHEMAS = K8S / "schemas" / "kuberay-v1.7.0"  # KubeRay's CRDs, gzip-compressed (its README.md: source, license)
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests are checked against
 NAMESPACE = "recgrid"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml.gz", "RayJob": "ray.io_rayjobs.yaml.gz"}
 # labels KubeRay puts on the pods it creates, next to the template's own
 KUBERAY_POD_LABELS = {"head": {"ray.io/node-type": "head", "ray.io/is-ray-node": "yes"},
                       "worker": {"ray.io/node-type": "worker", "ray.io/is-ray-node": "yes"}}
@@ -67,7 +69,9 @@ def _ids(docs):
 def crd_schemas() -> dict[str, dict]:
     out = {}
     for kind, name in CRD_FILES.items():
-        crd = yaml.load((SCHEMAS / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        text = gzip.decompress((SCHEMAS / name).read_bytes())
+        assert hashlib.sha256(text).hexdigest() in (SCHEMAS / "README.md").read_text(), f"{name}: not the README's file"
+        crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
         out[kind] = _strict(v1["schema"]["openAPIV3Schema"])
     return out

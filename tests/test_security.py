@@ -101,3 +101,114 @@ def test_the_allowlist_holds_no_module_namespace_or_wildcard():
     resolved = checkpoint._admitted()
     assert not any(isinstance(v, (type(os), dict)) for v in resolved.values())
     assert ("torch", "float32") in resolved and ("torch", "_import_dotted_name") not in resolved
+
+
+# ---- the checkpoint's data files and its enum (issue 47) ----------------------------------------------
+def _checkpoint(directory, state) -> str:
+    """A real DCP checkpoint of `state`, written without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    return str(directory)
+
+
+def _rewrite_metadata(directory, change) -> None:
+    """The checkpoint's `.metadata` read (as data), changed in place by `change(metadata)`, written back."""
+    meta = os.path.join(directory, ".metadata")
+    with open(meta, "rb") as f:
+        md = checkpoint.load_metadata(f, meta)
+    change(md)
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+
+
+def _reads_back(tmp_path) -> None:
+    """A checkpoint written now, in this process, reads back whole: what a refused file left behind broke nothing."""
+    directory = _checkpoint(tmp_path / "checkpoint_step_00000009", {"w": torch.arange(6.0).reshape(2, 3),
+                                                                    "note": "written afterwards"})
+    state = {"w": torch.zeros(2, 3), "note": ""}
+    checkpoint.read_checkpoint(directory, state)
+    assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3)) and state["note"] == "written afterwards"
+
+
+def test_metadata_that_builds_onto_the_admitted_enums_member_is_refused(tmp_path):
+    """The reviewed attack: call the admitted enum `_MEM_FORMAT_ENCODING(0)` (it hands out its shared
+    member) and BUILD `_value_ = 7` onto it: every checkpoint the process wrote afterwards would fail
+    to read (`7 is not a valid _MEM_FORMAT_ENCODING`)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING(0)
+    directory = tmp_path / "checkpoint_step_00000004"
+    state = pickle.NONE + pickle.EMPTY_DICT + _str("_value_") + pickle.BININT1 + b"\x07" + pickle.SETITEM + pickle.TUPLE2
+    path = _plant(directory, _global(METADATA_MODULE, "_MEM_FORMAT_ENCODING") + pickle.BININT1 + b"\x00"
+                  + pickle.TUPLE1 + pickle.REDUCE + state + pickle.BUILD + pickle.POP)
+    try:
+        with pytest.raises(Exception) as refused:
+            checkpoint.read_checkpoint(str(directory), {})
+        changed = member._value_
+    finally:
+        member._value_ = 0
+    assert changed == 0, "the pickle set _value_ on the shared enum member"
+    assert refused.type is checkpoint.CheckpointRefused, refused.value
+    assert str(refused.value).startswith(f"{path}: the checkpoint's metadata sets attributes on _MEM_FORMAT_ENCODING")
+    _reads_back(tmp_path)
+
+
+def test_a_data_file_linked_out_of_the_checkpoint_is_refused(tmp_path):
+    directory = _checkpoint(tmp_path / "checkpoint_step_00000002", {"w": torch.arange(4.0)})
+    (data,) = [n for n in os.listdir(directory) if n.endswith(".distcp")]
+    elsewhere = tmp_path / "elsewhere.distcp"
+    os.replace(os.path.join(directory, data), elsewhere)
+    os.symlink(elsewhere, os.path.join(directory, data))
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.read_checkpoint(directory, {"w": torch.zeros(4)})
+    assert str(refused.value).startswith(f"{os.path.join(directory, data)}: a link to {elsewhere}, outside the "
+                                         f"checkpoint's directory"), refused.value
+    _reads_back(tmp_path)
+
+
+def test_an_entry_declared_past_its_files_end_is_refused_before_it_is_read(tmp_path):
+    """A bytes entry declared 3 GiB long in a file of a few hundred bytes: refused at once, and no read
+    asked for 3 GiB (Python's file read allocates what it is asked for before it reads)."""
+    import tracemalloc
+
+    directory = _checkpoint(tmp_path / "checkpoint_step_00000002", {"w": torch.arange(4.0), "note": "hello"})
+    entry = {}
+
+    def declare_3_gib(md):
+        for index, info in md.storage_data.items():
+            if index.fqn == "note":
+                info.length = 3 << 30
+                entry["file"] = os.path.join(directory, info.relative_path)
+
+    _rewrite_metadata(directory, declare_3_gib)
+    tracemalloc.start()
+    try:
+        with pytest.raises(Exception) as refused:
+            checkpoint.read_checkpoint(directory, {"w": torch.zeros(4), "note": ""})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"reading the checkpoint allocated {peak / 2**30:.2f} GiB"
+    assert refused.type is checkpoint.CheckpointRefused, refused.value
+    assert str(refused.value).startswith(f"{entry['file']}: entry 'note' is declared at bytes "), refused.value
+    assert f"{os.path.getsize(entry['file']):,} bytes; refusing" in str(refused.value), refused.value
+    _reads_back(tmp_path)
+
+
+def test_a_tensor_stored_in_another_dtype_than_declared_is_refused_not_cast(tmp_path):
+    """A float64 tensor file declared float32: read into the float32 model it would be cast without a
+    word (1e300 becomes inf)."""
+    directory = _checkpoint(tmp_path / "checkpoint_step_00000002", {"w": torch.full((4,), 1e300, dtype=torch.float64)})
+
+    def declare_float32(md):
+        md.state_dict_metadata["w"].properties.dtype = torch.float32
+
+    _rewrite_metadata(directory, declare_float32)
+    target = torch.zeros(4)
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.read_checkpoint(directory, {"w": target})
+    assert "entry 'w' holds a float64 tensor of shape [4], but the checkpoint's metadata declares a float32 tensor " \
+           "of shape [4]" in str(refused.value), refused.value
+    assert str(refused.value).startswith(directory) and not torch.isinf(target).any()
+    _reads_back(tmp_path)

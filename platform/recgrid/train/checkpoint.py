@@ -23,20 +23,25 @@ who can write there put in it, and DCP unpickles two things from it: the `.metad
 (`pickle.load`, which calls any callable the file names) and the non-tensor entries
 (`torch.load(weights_only=False)`). `load` reads `.metadata` with an unpickler that admits only
 an exact list of DCP's metadata classes and the torch types they carry (`METADATA_GLOBALS`: no
-module, no namespace, nothing that hands out one), refuses a BUILD onto a class, module or function,
-and refuses metadata whose storage entries point outside the checkpoint's directory; the
-non-tensor entries are read with `torch.load(weights_only=True)` (recgrid writes them as JSON
-strings and plain tensors). A file that names anything else is refused with its path and the name.
-(torch's weights-only unpickler cannot read `.metadata`: it stops at protocol 4's FRAME opcode.)
+module, no namespace, nothing that hands out one), allows a BUILD only onto an instance of DCP's
+metadata dataclasses (`BUILDABLE`: never onto a class, a module, a function or an enum member the
+whole process shares), and refuses metadata whose storage entries point outside the checkpoint's
+directory. The data files are read by recgrid's own loop over DCP's plan (`read_items`): a file
+that is a link out of the checkpoint's directory is refused, every entry must lie inside its
+file (a declared length is never read past the file's end), a tensor entry must hold a tensor of
+the dtype and shape its metadata declares (nothing is cast), and the non-tensor entries are read
+with `torch.load(weights_only=True)` (recgrid writes them as JSON strings and plain tensors). A
+file that names anything else is refused with its path and the name. (torch's weights-only
+unpickler cannot read `.metadata`: it stops at protocol 4's FRAME opcode.)
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import pickle
 import re
-import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -92,9 +97,15 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
        ("collections", "OrderedDict")}
     | {("torch", name) for name in TORCH_DTYPES})
 
+# the only objects a `.metadata` may set attributes on (BUILD): DCP's metadata dataclasses, which
+# are only ever made fresh while it is read (an enum member, a class or a module is shared)
+BUILDABLE: frozenset[tuple[str, str]] = frozenset(
+    {(_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+
 # bound at import: the checks below call nothing a pickle being read could have rebound
 _isinstance, _id, _type = isinstance, id, type
-_NOT_BUILDABLE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 class CheckpointRefused(pickle.UnpicklingError):
@@ -115,8 +126,9 @@ def _admitted() -> dict[tuple[str, str], Any]:
 
 
 class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked
-    """Admits `METADATA_GLOBALS` only, and refuses a BUILD onto a class, module or function (it
-    would set attributes on an object the whole process shares)."""
+    """Admits `METADATA_GLOBALS` only, and a BUILD only onto an instance of a `BUILDABLE` class (a
+    BUILD onto anything else could set attributes on an object the whole process shares: the
+    admitted enum's members, `_MEM_FORMAT_ENCODING(0)`, are every later checkpoint's)."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
@@ -124,7 +136,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD 
         super().__init__(stream)
         self._path = path
         self._admitted = _admitted()
-        self._handed_out = frozenset(_id(v) for v in self._admitted.values())
+        self._buildable = frozenset(_id(self._admitted[k]) for k in BUILDABLE)
 
     def find_class(self, module: str, name: str) -> Any:
         value = self._admitted.get((module, name), _MetadataUnpickler)
@@ -135,7 +147,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD 
 
     def _load_build(self) -> None:
         target = self.stack[-2]
-        if _id(target) in self._handed_out or _isinstance(target, _NOT_BUILDABLE):
+        if _id(_type(target)) not in self._buildable:  # the exact class: no subclass, no metaclass
             raise CheckpointRefused(f"{self._path}: the checkpoint's metadata sets attributes on "
                                     f"{_type(target).__name__} {getattr(target, '__name__', '')} (a planted "
                                     f"or foreign file?); refusing to load it")
@@ -170,6 +182,8 @@ def _reader_classes() -> tuple[type, type]:
 
     def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
+        if self.local:
+            inside_directory(str(self.path), str(path))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load_metadata(stream, str(path))
         if getattr(metadata, "storage_meta", None) is None:
@@ -177,9 +191,119 @@ def _reader_classes() -> tuple[type, type]:
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    local = type("SafeFileSystemReader", (dcp.FileSystemReader,), {"read_metadata": read_metadata})
-    remote = type("SafeFsspecReader", (FsspecReader,), {"read_metadata": read_metadata})
+    def set_up_storage_reader(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> None:
+        dcp.FileSystemReader.set_up_storage_reader(self, metadata, *args, **kwargs)
+        self.declared = metadata.state_dict_metadata
+
+    methods = {"read_metadata": read_metadata, "set_up_storage_reader": set_up_storage_reader,
+               "read_data": read_items}
+    local = type("SafeFileSystemReader", (dcp.FileSystemReader,), {**methods, "local": True})
+    remote = type("SafeFsspecReader", (FsspecReader,), {**methods, "local": False})
     return local, remote
+
+
+def inside_directory(directory: str, path: str) -> None:
+    """Refuse `path` (a checkpoint's file) unless it resolves inside `directory`: a link out of it
+    would read a file the checkpoint's writer never wrote."""
+    root = os.path.realpath(directory)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise CheckpointRefused(f"{path}: a link to {os.path.realpath(path)}, outside the checkpoint's directory "
+                                f"(a planted or foreign file?); refusing to load it")
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open stream, as a stream that never reads past them."""
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._start, self._length, self._at = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: self._length}[whence]
+        self._at = min(max(base + offset, 0), self._length)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._length - self._at)
+        if n <= 0:
+            return 0
+        self._stream.seek(self._start + self._at)
+        got = self._stream.readinto(memoryview(buffer)[:n])
+        self._at += got or 0
+        return got or 0
+
+
+def read_items(reader: Any, plan: Any, planner: Any) -> Any:
+    """DCP's read of a load plan's items (a `StorageReader.read_data`), checking each against what
+    the checkpoint declares: its file inside the checkpoint's directory, its bytes inside its file
+    (no read past the file's end, whatever length is declared), no storage transform (recgrid
+    writes none), and a tensor entry of exactly its declared dtype and shape. Anything else is
+    `CheckpointRefused`, naming the file and the entry."""
+    import torch
+    from torch.futures import Future
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    per_file: dict[str, list[Any]] = {}
+    for item in plan.items:
+        per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
+    for relative_path, items in per_file.items():
+        path = reader.fs.concat_path(reader.path, relative_path)
+        if reader.local:
+            inside_directory(str(reader.path), str(path))
+        with reader.fs.create_stream(path, "rb") as stream:
+            size = stream.seek(0, os.SEEK_END)
+            for item in items:
+                info, fqn = reader.storage_data[item.storage_index], item.storage_index.fqn
+                if info.transform_descriptors:
+                    raise CheckpointRefused(f"{path}: entry {fqn!r} is stored through transforms "
+                                            f"{list(info.transform_descriptors)}, which recgrid never writes; "
+                                            f"refusing to load it")
+                if not (0 <= info.offset and 0 <= info.length and info.offset + info.length <= size):
+                    raise CheckpointRefused(f"{path}: entry {fqn!r} is declared at bytes {info.offset:,} to "
+                                            f"{info.offset + info.length:,} of a file of {size:,} bytes; "
+                                            f"refusing to load it")
+                data = _Slice(stream, info.offset, info.length)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(data.read()))
+                    continue
+                declared = reader.declared.get(fqn)
+                chunk = next((c for c in getattr(declared, "chunks", ()) if c.offsets == item.storage_index.offset),
+                             None)
+                try:
+                    tensor = torch.load(data, map_location="cpu", weights_only=True)
+                except pickle.UnpicklingError as e:
+                    raise CheckpointRefused(f"{path}: entry {fqn!r} is not a tensor (a planted or foreign "
+                                            f"file?); refusing to load it: {str(e).splitlines()[0]}") from None
+                if not isinstance(declared, TensorStorageMetadata) or chunk is None or not isinstance(
+                        tensor, torch.Tensor) or tensor.dtype != declared.properties.dtype or tuple(
+                        tensor.shape) != tuple(chunk.sizes):
+                    what = (f"a {str(tensor.dtype).removeprefix('torch.')} tensor of shape {list(tensor.shape)}"
+                            if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}")
+                    want = (f"a {str(declared.properties.dtype).removeprefix('torch.')} tensor of shape "
+                            f"{list(chunk.sizes)}" if chunk is not None else "no such tensor chunk")
+                    raise CheckpointRefused(f"{path}: entry {fqn!r} holds {what}, but the checkpoint's metadata "
+                                            f"declares {want}; refusing to load it")
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    tensor = tensor.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointRefused(f"{path}: entry {fqn!r} has shape {list(tensor.shape)} where the model "
+                                            f"has {list(target.shape)}; refusing to load it")
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 @functools.cache
