@@ -15,10 +15,23 @@ UV     := $(BIN)/uv pip install -q --python $(BIN)/python
 HASHES  = $(if $(shell grep -l -- '--hash=sha256:' $(1) 2>/dev/null),--require-hashes)
 PYTEST_ARGS ?=
 
-.PHONY: install tools test demo bench smoke clean lock
+.PHONY: install tools test demo bench smoke clean lock python
 install: $(STAMP)
 
-$(STAMP): requirements/tools.txt requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml
+# the pinned wheels are Python 3.11's (pyproject.toml's requires-python), for Linux x86-64: refuse another
+# before anything is installed. Checked every time (order-only below): the venv's python when there is
+# one, and PYTHON too when there is none or it was given.
+PYTHON_GIVEN = $(filter-out file,$(origin PYTHON))
+python:
+	@[ "$$(uname -sm)" = "Linux x86_64" ] || { echo "recgrid installs on Linux x86-64 only (its pinned wheels are built for it); this is $$(uname -sm)"; exit 1; }
+	@for py in $(if $(wildcard $(BIN)/python),$(BIN)/python) $(if $(or $(PYTHON_GIVEN),$(if $(wildcard $(BIN)/python),,x)),$(PYTHON)); do \
+		v=$$($$py -c 'import sys; print("Python %d.%d" % sys.version_info[:2])' 2>/dev/null || echo "no Python that runs"); \
+		[ "$$v" = "Python 3.11" ] && continue; \
+		if [ "$$py" = $(BIN)/python ]; then echo "$(VENV) was made with $$v, and recgrid needs Python 3.11: remove it (make clean) and run make PYTHON=<your python3.11> install"; \
+		else echo "recgrid needs Python 3.11, and $$py is $$v: run make PYTHON=<your python3.11> $(or $(MAKECMDGOALS),install)"; fi; exit 1; \
+	done
+
+$(STAMP): requirements/tools.txt requirements/torch-$(ACCEL).txt requirements/nodeps.txt requirements/lock.txt requirements/fbgemm-cpu.txt requirements/gpu-tools.txt pyproject.toml | python
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) --require-hashes --no-deps -r requirements/tools.txt
 	@echo "[install] torch ($(ACCEL), from $(TORCH_INDEX_URL)) ..."
