@@ -1,10 +1,13 @@
 """criteo.py without Ray: line chunking and numbering across chunks and parts, cutting a plain file
-into parts, format sniffing and input expansion."""
+into parts, format sniffing and input expansion; bad rows and corrupt shards stop the job's read
+tasks (run here, in this process: `data.stream.local_batches`) with a sentence naming the file."""
 
 from __future__ import annotations
 
+import glob
 import gzip
 import os
+import re
 
 import pyarrow as pa
 import pytest
@@ -139,3 +142,94 @@ def test_binary_junk_fails_fast_with_a_clear_error(tmp_path):
     path.write_bytes(b"\x00\x01" * (1 << 20))  # 2 MiB, no newline: not text
     with pytest.raises(CriteoDataError, match=r"junk:1: line longer than 1 MiB"):
         list(iter_line_chunks(str(path), chunk_bytes=1 << 20))
+
+
+# ---- bad rows and corrupt shards (issue 47, issue 50) --------------------------------------------------------
+def long_int_line(digits: int) -> str:
+    return "\t".join(["1", "1" * digits] + ["3"] * 12 + ["0a1b2c3d"] * 26)
+
+
+@pytest.mark.parametrize("digits", [20, 400, 5000])
+def test_a_dense_integer_too_long_for_int64_names_file_line_and_field(tmp_path, digits):
+    """5,000 digits gave Python's bare `ValueError: Exceeds the limit (4300 digits)`, 400 digits an
+    `OverflowError`, 20 digits a float past int64; now each is a sentence, or a counted bad row."""
+    path = tmp_path / "day_1"
+    path.write_text("\n".join([GOOD, long_int_line(digits), GOOD]) + "\n")
+    with pytest.raises(CriteoDataError) as e:
+        list(read_raw(str(path), get_spec("tiny")))
+    assert str(e.value).startswith(f"{path}:2: field I1: '1111111111"), e.value
+    assert f"is an integer of {digits:,} digits, outside int64's range" in str(e.value)
+    assert len(str(e.value)) < 300  # the value is named, not printed
+    skipped = parse_lines(path.read_bytes(), get_spec("tiny"), file=str(path), skip_bad=True)
+    assert (skipped.lines, skipped.bad_rows, skipped.table.num_rows) == (3, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def good_shard(tmp_path_factory) -> str:
+    """A prepared shard of 300 synthetic rows."""
+    from recgrid.data.synth import write_synth
+
+    directory = tmp_path_factory.mktemp("good")
+    write_synth(str(directory), 300, files=1, fmt="parquet", spec=get_spec("tiny"), seed=0)
+    (path,) = glob.glob(str(directory / "*.parquet"))
+    return path
+
+
+def job_reads(path: str) -> list:
+    """What a job's read tasks give for `path` (the driver's row count, then every read task in order)."""
+    from recgrid.data.stream import local_batches, scan_inputs
+
+    inputs = scan_inputs(path, get_spec("tiny"))
+    return list(local_batches(inputs, inputs.units(), get_spec("tiny"), 64, drop_last=False))
+
+
+@pytest.mark.parametrize("column,value,needle", [
+    ("label", 7, "field label: 7 is not a label (0 or 1)"),
+    ("label", -3, "field label: -3 is not a label (0 or 1)"),
+    ("I5", float("nan"), "field I5: nan is not a finite dense value"),
+    ("I5", float("inf"), "field I5: inf is not a finite dense value"),
+    ("C3", 4000, "field C3: 4000 is outside table rows [0, 4000) of spec 'tiny'"),
+    ("C3", -1, "field C3: -1 is outside table rows [0, 4000) of spec 'tiny'"),
+])
+def test_a_prepared_row_training_could_not_have_made_stops_the_read_naming_file_row_and_field(
+        tmp_path, good_shard, column, value, needle):
+    """Labels 7 and -3 and NaN or inf dense values were trained on from parquet; an id past its table
+    was named `<batch>`. The shard's row 211 is planted; rows before it read as they were."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recgrid.data.stream import memory_batches
+
+    table = pq.read_table(good_shard)
+    assert len(job_reads(good_shard)) == 5
+    values = table.column(column).to_pylist()
+    values[211] = value
+    bad = str(tmp_path / "bad.parquet")
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column,
+                                    pa.array(values, table.schema.field(column).type)), bad, row_group_size=100)
+    for read in (job_reads, lambda p: memory_batches(p, 64, get_spec("tiny"))):  # a job; `recgrid eval`
+        with pytest.raises(CriteoDataError) as e:
+            read(bad)
+        assert str(e.value) == f"{bad}: row 211: {needle}" + ("; data prepared for another spec?" if column == "C3" else ""), e.value
+
+
+def test_a_corrupt_parquet_shard_stops_the_job_and_prepare_naming_the_file(tmp_path, good_shard):
+    """Issue 50: a shard whose footer is gone stops the driver's row count (before any worker
+    starts); one whose footer is whole but whose page is damaged stops the read task that reads it;
+    `recgrid prepare` refuses both, naming the file. Neither gives pyarrow's bare error."""
+    from recgrid.data.prepare import prepare
+
+    data = open(good_shard, "rb").read()
+    truncated, damaged = str(tmp_path / "truncated.parquet"), str(tmp_path / "damaged.parquet")
+    open(truncated, "wb").write(data[:len(data) // 2])
+    open(damaged, "wb").write(data[:4] + b"\xff" * 36 + data[40:])  # the first page's header
+    with pytest.raises(CriteoDataError) as e:
+        job_reads(truncated)
+    assert str(e.value).startswith(f"{truncated}: is not a readable parquet file (truncated or corrupt?): "), e.value
+    with pytest.raises(CriteoDataError) as e:
+        job_reads(damaged)
+    assert str(e.value).startswith(f"{damaged}: row group 0 cannot be read (truncated or corrupt?): "), e.value
+    assert "\n" not in str(e.value)
+    for path in (truncated, damaged):
+        with pytest.raises(CriteoDataError, match=f"^{re.escape(path)}: is parquet"):
+            prepare([path], str(tmp_path / "out"), get_spec("tiny"), log=lambda *_: None)

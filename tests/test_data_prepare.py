@@ -142,6 +142,7 @@ BAD_CASES = [
     (line("1", ["1"] * 13, ["0"] * 6 + ["0x1f"] + ["0"] * 19), ["field C7", "0x1f"]),
     (line("1", ["1", "2", "3", "1.5"] + ["1"] * 9, ["0"] * 26), ["field I4", "1.5", "not an integer"]),
     (line("1", ["1", "0x10"] + ["1"] * 11, ["0"] * 26), ["field I2", "0x10", "not an integer"]),
+    (line("1", ["1", "9" * 5000] + ["1"] * 11, ["0"] * 26), ["field I2", "5,000 digits, outside int64's range"]),
     (line("2", ["1"] * 13, ["0"] * 26), ["field label", "'2'"]),
     (line("", ["1"] * 13, ["0"] * 26), ["field label", "missing label"]),
     ("", ["empty line"]),

@@ -1,23 +1,23 @@
 """Criteo click-log formats and the one definition of their transforms.
 
 Owns: the raw layout (one sample per line, tab-separated: label, I1..I13, C1..C26; an empty
-field is a missing value), the prepared parquet schema, the transforms
+field is a missing value), the prepared parquet schema, vectorised parsing and validation of raw
+lines and of prepared rows (errors name file, line or row, and field), format sniffing by content
+(plain TSV, gzip TSV, parquet: the 1TB day files have no extension), and expansion of input globs.
+The transforms themselves (and what a value may be) are `data.transforms`', which every served
+model applies too:
 
-    dense        missing -> 0, then ln(1 + max(x, 0)), float32
-    categorical  missing -> 0, else int(hex, 16) % spec.table_rows[feature], int64
+    dense        an int64; missing -> 0, then ln(1 + max(x, 0)), float32
+    categorical  1 to 16 hex digits; missing -> 0, else int(hex, 16) % spec.table_rows[feature], int64
     label        0 or 1, int32
 
-vectorised parsing and validation of raw lines (errors name file, line and field), format
-sniffing by content (plain TSV, gzip TSV, parquet: the 1TB day files have no extension), and
-expansion of input globs. prepare.py, data.py and synth.py all go through this module, so a
-value can only be computed one way.
+prepare.py, stream.py and synth.py all go through this module, so a value can only be computed one way.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -26,8 +26,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec
+from recgrid.data.transforms import (  # noqa: F401 - transform_*: the data modules' name for them
+    MAX_HEX_DIGITS, dense_value, transform_categorical, transform_dense,
+)
 
 RAW_COLUMNS: tuple[str, ...] = (LABEL_NAME, *DENSE_NAMES, *SPARSE_NAMES)
 PREPARED_SCHEMA = pa.schema(
@@ -43,7 +47,6 @@ ROW_ID = "row_id"
 TABLE_ROWS_KEY = b"recgrid.table_rows"
 
 TSV, TSV_GZ, PARQUET = "tsv", "tsv.gz", "parquet"
-MAX_HEX_DIGITS = 16  # ids are reduced in uint64
 CHUNK_BYTES = 16 << 20  # raw bytes parsed at once: bounded memory, ~60k Criteo lines
 MAX_LINE_BYTES = 1 << 20  # a Criteo line is a few hundred bytes
 _READ_BYTES = 1 << 20  # gzip read size: a truncation is located to within this much data
@@ -58,39 +61,23 @@ for _i, _c in enumerate(b"ABCDEF"):
 # bytes a decimal integer's text may be built from (arrow's cast rejects misplaced '-')
 _DEC_OK = np.zeros(256, dtype=bool)
 _DEC_OK[list(b"0123456789-")] = True
-_INT_RE = re.compile(r"[+-]?[0-9]+")
-_HEX_RE = re.compile(r"[0-9a-fA-F]{1,%d}" % MAX_HEX_DIGITS)
 
 
 class CriteoDataError(ValueError):
-    """Bad input. The message names the file and, where they apply, the line and the field."""
+    """Bad input. The message names the file and, where they apply, the line (raw files, from 1) or
+    the row (parquet files, from 0), and the field."""
 
-    def __init__(self, file: str, detail: str, line: int | None = None, field: str | None = None):
-        self.file, self.detail, self.line, self.field = str(file), detail, line, field
-        where = self.file + (f":{line}" if line is not None else "")
+    def __init__(self, file: str, detail: str, line: int | None = None, field: str | None = None,
+                 row: int | None = None):
+        self.file, self.detail, self.line, self.field, self.row = str(file), detail, line, field, row
+        where = self.file + (f":{line}" if line is not None else "") + (f": row {row}" if row is not None else "")
         super().__init__(f"{where}: " + (f"field {field}: " if field else "") + detail)
 
     def __reduce__(self):  # keep the structured fields when Ray pickles it back to the driver
-        return (type(self), (self.file, self.detail, self.line, self.field))
+        return (type(self), (self.file, self.detail, self.line, self.field, self.row))
 
 
-# ---------------------------------------------------------------- transforms (the one definition)
-
-
-def transform_dense(values: np.ndarray, missing: np.ndarray | None = None) -> np.ndarray:
-    """Dense transform: missing -> 0, then ln(1 + max(x, 0)), computed in float64, stored float32."""
-    x = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
-    if missing is not None:
-        x[missing] = 0.0
-    return np.log1p(x).astype(np.float32)
-
-
-def transform_categorical(hashes: np.ndarray, rows: int, missing: np.ndarray | None = None) -> np.ndarray:
-    """Categorical transform: missing -> 0, else hash % rows (hash = int(hex, 16)), int64."""
-    ids = (np.asarray(hashes, dtype=np.uint64) % np.uint64(rows)).astype(np.int64)
-    if missing is not None:
-        ids[missing] = 0
-    return ids
+# ---------------------------------------------------------------- prepared shards
 
 
 def prepared_metadata(spec: DatasetSpec) -> dict[bytes, bytes]:
@@ -114,6 +101,52 @@ def check_prepared_schema(path: str, schema: pa.Schema, spec: DatasetSpec | None
             f"prepared for table rows {rows.decode()}, but spec {spec.name!r} (cap "
             f"{spec.max_rows_per_table}) has {','.join(map(str, spec.table_rows))}; prepare it again for this spec",
         )
+
+
+def check_prepared_rows(table: pa.Table, path: str, first_row: int, spec: DatasetSpec | None) -> None:
+    """Refuse prepared rows (a parquet file's rows first_row.. of `table`) that training's transforms
+    cannot have made: a label other than 0 or 1, a dense value that is not finite, an id outside
+    its table's rows (`spec`'s; data prepared for another spec). The error names the file, the
+    first bad row and its field."""
+    checks: list[tuple[str, np.ndarray, str]] = []
+    labels = table.column(LABEL_NAME).to_numpy(zero_copy_only=False)
+    checks.append((LABEL_NAME, (labels != 0) & (labels != 1), "is not a label (0 or 1)"))
+    for name in DENSE_NAMES:
+        x = table.column(name).to_numpy(zero_copy_only=False)
+        checks.append((name, ~np.isfinite(x), "is not a finite dense value"))
+    if spec is not None:
+        for name, rows in zip(SPARSE_NAMES, spec.table_rows):
+            ids = table.column(name).to_numpy(zero_copy_only=False)
+            checks.append((name, (ids < 0) | (ids >= rows),
+                           f"is outside table rows [0, {rows}) of spec {spec.name!r}; data prepared for another spec?"))
+    first = None  # (row, field, detail) of the first bad row
+    for name, bad, why in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            if first is None or i < first[0]:
+                first = (i, name, f"{table.column(name)[i].as_py()!r} {why}")
+    if first is not None:
+        raise CriteoDataError(path, first[2], field=first[1], row=first_row + first[0])
+
+
+def parquet_file(path: str) -> pq.ParquetFile:
+    """`path` opened as parquet; a file whose footer cannot be read is a CriteoDataError naming it."""
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise CriteoDataError(path, f"is not a readable parquet file (truncated or corrupt?): {_one_line(e)}") from None
+
+
+def read_row_group(f: pq.ParquetFile, path: str, group: int, columns: Sequence[str]) -> pa.Table:
+    """Row group `group` of the open parquet file `f`; a corrupt one is a CriteoDataError naming the file."""
+    try:
+        return f.read_row_group(group, columns=list(columns))
+    except (pa.ArrowException, OSError) as e:
+        raise CriteoDataError(path, f"row group {group} cannot be read (truncated or corrupt?): {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 # ---------------------------------------------------------------- inputs
@@ -405,12 +438,12 @@ def _parse_dense(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
             pass
     values = np.zeros(len(arr), dtype=np.float64)
     bad = np.zeros(len(arr), dtype=bool)
-    for i, s in enumerate(arr.to_pylist()):  # rare path: only for a chunk holding a non-integer
+    for i, s in enumerate(arr.to_pylist()):  # rare path: a chunk holding a non-integer or one past int64
         if not s:
             continue
-        if _INT_RE.fullmatch(s):
-            values[i] = float(int(s))
-        else:
+        try:
+            values[i] = float(dense_value(s))
+        except ValueError:
             bad[i] = True
     return values, bad
 
@@ -547,7 +580,10 @@ def _describe_bad_row(table: pa.Table, i: int, line: int, bad_masks) -> tuple[in
             if name == LABEL_NAME:
                 return line, name, ("missing label" if v is None else f"{v!r} is not a label (0 or 1)")
             if name.startswith("I"):
-                return line, name, f"{v!r} is not an integer"
+                try:
+                    dense_value(v)
+                except ValueError as e:
+                    return line, name, str(e)
             return line, name, f"{v!r} is not a hexadecimal id of 1 to {MAX_HEX_DIGITS} digits"
     raise AssertionError("row marked bad without a bad field")  # masks and any_bad come from one list
 

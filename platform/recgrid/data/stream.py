@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from recgrid.data.specs import Compression
 from recgrid.data.criteo import (
-    PARQUET, PREPARED_SCHEMA, ROW_ID, CriteoDataError, check_prepared_schema, expand_inputs, iter_line_chunks,
-    read_raw, sniff_format,
+    PARQUET, PREPARED_SCHEMA, ROW_ID, CriteoDataError, check_prepared_rows, check_prepared_schema, expand_inputs,
+    iter_line_chunks, parquet_file, read_raw, read_row_group, sniff_format,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec
 from recgrid.data.units import DataCursor, EpochPlan, Inputs, Unit, even_sizes, split_rows, take_rows
@@ -115,7 +114,7 @@ def _read_dataset(paths: str | Sequence[str], spec: DatasetSpec, num_cpus_per_ta
     for p in files:
         fmt = sniff_format(p)
         if fmt == PARQUET:  # a footer read each: cheap, and a wrong shard fails here, not mid-epoch
-            check_prepared_schema(p, pq.read_schema(p), spec)
+            check_prepared_schema(p, parquet_file(p).schema_arrow, spec)
         items.append({"path": p, "fmt": fmt})
     # One read task per file, ours rather than read_parquet's: read_parquet batches small files
     # into one task (one block, one worker's worth) and lists files in a task that takes a
@@ -129,8 +128,12 @@ def _read_files(batch: Mapping[str, np.ndarray], spec: DatasetSpec) -> Iterator[
     for path, fmt in zip(batch["path"], batch["fmt"]):
         path, fmt = str(path), str(fmt)
         if fmt == PARQUET:
-            for b in pq.ParquetFile(path).iter_batches(batch_size=8192, columns=list(PREPARED_SCHEMA.names)):
-                yield pa.Table.from_batches([b]).select(PREPARED_SCHEMA.names)
+            f, row = parquet_file(path), 0
+            for g in range(f.metadata.num_row_groups):
+                table = read_row_group(f, path, g, PREPARED_SCHEMA.names).select(PREPARED_SCHEMA.names)
+                check_prepared_rows(table, path, row, spec)
+                row += table.num_rows
+                yield table
         else:
             for chunk in read_raw(path, spec, fmt=fmt):
                 yield chunk.table
@@ -587,7 +590,7 @@ def scan_inputs(patterns: str | Sequence[str], spec: DatasetSpec | None = None) 
     for path in files:
         fmt = sniff_format(path)
         if fmt == PARQUET:
-            meta = pq.read_metadata(path)
+            meta = parquet_file(path).metadata
             check_prepared_schema(path, meta.schema.to_arrow_schema(), spec)
             rows.append(meta.num_rows)
         else:
@@ -598,11 +601,14 @@ def scan_inputs(patterns: str | Sequence[str], spec: DatasetSpec | None = None) 
 def read_unit(path: str, unit: Unit, spec: DatasetSpec, fmt: str | None = None) -> Iterator[pa.Table]:
     """Rows [unit.start, unit.end) of `path` as prepared tables, in file order (with ROW_ID
     where the file has it). Parquet skips whole row groups before the range; raw logs are
-    parsed from the top, so a range deep inside a raw file costs a read of what precedes it."""
+    parsed from the top, so a range deep inside a raw file costs a read of what precedes it.
+    A parquet row that training's transforms cannot have made, or a corrupt row group, stops the
+    read with a CriteoDataError naming the file, the row and the field (`check_prepared_rows`)."""
     fmt = fmt or sniff_format(path)
     offset = 0  # file row of the next table's first row
-    if fmt == PARQUET:
-        f = pq.ParquetFile(path)
+    parquet = fmt == PARQUET
+    if parquet:
+        f = parquet_file(path)
         names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if n in f.schema_arrow.names]
         groups, start = [], 0  # the row groups overlapping the range; `offset`: the first one's first row
         for g in range(f.metadata.num_row_groups):
@@ -612,15 +618,18 @@ def read_unit(path: str, unit: Unit, spec: DatasetSpec, fmt: str | None = None) 
                     offset = start
                 groups.append(g)
             start += n
-        tables = (f.read_row_group(g, columns=names) for g in groups)
+        tables = (read_row_group(f, path, g, names) for g in groups)
     else:
         tables = (chunk.table for chunk in read_raw(path, spec, fmt=fmt))
     for table in tables:
         n = table.num_rows
         lo, hi = max(unit.start - offset, 0), min(unit.end - offset, n)
-        offset += n
         if hi > lo:
-            yield table.slice(lo, hi - lo)
+            rows = table.slice(lo, hi - lo)
+            if parquet:  # raw rows were checked as they were parsed
+                check_prepared_rows(rows, path, offset + lo, spec)
+            yield rows
+        offset += n
         if offset >= unit.end:
             return
 
