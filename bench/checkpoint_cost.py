@@ -36,7 +36,7 @@ def run(tmp: Path, name: str, overrides: list[str]) -> dict:
     uri = f"sqlite:///{tmp}/mlflow.db"
     cfg = load_config(REPO / "jobs/local_demo.yaml", [
         f"train.storage_path={tmp}/storage-{name}", f"tracking.tracking_uri={uri}",
-        f"tracking.experiment=bench-checkpoint-cost", f"tracking.run_name={name}", *overrides])
+        "tracking.experiment=bench-checkpoint-cost", f"tracking.run_name={name}", *overrides])
     t0 = time.perf_counter()
     result = run_job(cfg, summary=False)
     wall = time.perf_counter() - t0

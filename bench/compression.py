@@ -203,7 +203,6 @@ def study_worker(configs: list[RunConfig], seeds: list[int], setting: Setting, h
 
     from recgrid.config import defaults
     from recgrid.data.stream import memory_batches
-    from recgrid.engine.model import ModelSpec
     from recgrid.train.trainer import EngineConfig, Trainer
 
     rank = dist.get_rank()

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 
 def best_of(fn, repeat: int) -> float:

@@ -79,7 +79,6 @@ def run_configs(configs: list[dict], data: str, eval_data: str, spec_name: str, 
 def main() -> None:
     from recgrid.data.specs import SPARSE_NAMES
     from recgrid.data.synth import planted_groups, write_synth
-    from recgrid.engine.towers import strided_partition
     from recgrid.launch.local import run_local
     from recgrid.launch.report import machine_info, write_result
     from recgrid.launch.towers import pooled_embeddings

@@ -168,7 +168,6 @@ def test_only_a_configuration_s_own_failures_let_the_sweep_go_on():
 def test_sweep_stops_at_the_first_failure_that_is_not_the_configuration_s(tmp_path, shared_ray):
     """The data vanish after the sweep was validated (an unmounted volume): the first configuration
     fails, the sweep stops there with one FAILED child and says why, and the parent run is FAILED."""
-    import ray
     from mlflow.tracking import MlflowClient
 
     from recgrid.data.synth import ensure_synth

@@ -71,7 +71,6 @@ def test_unknown_precisions_are_refused():
 
 def test_engine_config_carries_precision_and_table_dtype():
     from recgrid.engine.device import resolve_precision
-    from recgrid.config import defaults
     from recgrid.train.trainer import EngineConfig
 
     e = EngineConfig.from_job(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))

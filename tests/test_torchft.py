@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from faults import BackgroundJob, mlflow_client, part_positions, read_again_from, workers_of
-from recgrid.config import ConfigError, load_config
+from recgrid.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 T, M, K, B = 4, 2, 5, 64

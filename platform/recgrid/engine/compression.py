@@ -2,8 +2,7 @@
 initialisation, and the sparse arch that combines a compressed feature's pooled parts.
 
 The naming and sizing of the tables is one fact, kept in `data.specs` (the data pipeline's id
-transform needs it too, and `data/` may not import `engine/`); this module re-exports the pure
-sizing for the planner (`compressed_tables`, `embedding_bytes`: no torch at import time).
+transform needs it too, and `data/` may not import `engine/`); this module builds on it.
 
 Combination. A compressed feature f has the pooled outputs q (`<f>_q`), r (`<f>_r`) and, with a
 head cache, h (`<f>_h`); the sparse arch returns h + op(q, r) with op = q * r, q + r or
@@ -32,10 +31,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from recgrid.data.specs import (  # noqa: F401 - the sizing the planner prices, re-exported
-    COMPRESSIONS, HEAD, QR_OPERATIONS, QUOTIENT, REMAINDER, Compression, embedding_bytes, table_layout,
-)
-from recgrid.data.specs import SPARSE_NAMES, DatasetSpec
+from recgrid.data.specs import HEAD, QUOTIENT, REMAINDER, SPARSE_NAMES, Compression, DatasetSpec, table_layout
 
 if TYPE_CHECKING:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig

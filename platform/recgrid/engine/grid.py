@@ -107,7 +107,7 @@ class Grid:
     @property
     def sharding_groups(self) -> list[list[int]]:
         """M lists of L global ranks; list i holds one full copy of the model."""
-        T, M, L = self.world_size, self.num_groups, self.group_size
+        M, L = self.num_groups, self.group_size
         if self.layout == "host-local":
             return [[i + M * r for r in range(L)] for i in range(M)]
         return [list(range(i * L, (i + 1) * L)) for i in range(M)]

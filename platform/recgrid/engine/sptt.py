@@ -487,7 +487,7 @@ class TowerSparseArch(SparseArch):
 
     # -- the flat exchange (reference) ---------------------------------------------------------------------
     def _flat_exchange(self, emb: torch.Tensor, batch: list[int]) -> torch.Tensor:
-        me, L, W, B = self.me, len(batch), emb.size(1), batch[self.me]
+        L, W, B = len(batch), emb.size(1), batch[self.me]
         width = [self.cw_width[r] + self.rw_width[r] for r in range(L)]
         self.meter.record("flat", self.sharding_ranks, [b * W * emb.element_size() for b in batch])
         in_splits, out_splits = [b * W for b in batch], [B * w for w in width]
@@ -508,7 +508,7 @@ class TowerSparseArch(SparseArch):
     # -- SPTT ------------------------------------------------------------------------------------------
     def _tower_exchange(self, emb: torch.Tensor, batch: list[int]) -> torch.Tensor:
         layout, t, k, D = self.layout, self.tower, self.index, self.D
-        N, Lt, B, elsize = self.towers.num_towers, layout.tower_size, batch[self.me], emb.element_size()
+        Lt, B, elsize = layout.tower_size, batch[self.me], emb.element_size()
         group_rows = [sum(batch[s] for s in layout.peer_shard_ranks(j)) for j in range(Lt)]
         members = layout.tower_shard_ranks(t)
 
