@@ -15,7 +15,7 @@ UV     := $(BIN)/uv pip install -q --python $(BIN)/python
 HASHES  = $(if $(shell grep -l -- '--hash=sha256:' $(1) 2>/dev/null),--require-hashes)
 PYTEST_ARGS ?=
 
-.PHONY: install tools test demo bench smoke clean lock python
+.PHONY: install tools lint test demo bench smoke clean lock python
 install: $(STAMP)
 
 # the pinned wheels are Python 3.11's (pyproject.toml's requires-python), for Linux x86-64: refuse another
@@ -69,8 +69,12 @@ tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	else echo "[install] no prometheus here and no apt-get to install it with: the Prometheus tests skip (they fail under CI=true)"; fi
 
+# ruff (requirements/tools.txt; its rules in pyproject.toml), in a fraction of a second: no cache written
+lint: install
+	$(BIN)/ruff check --no-cache --quiet --output-format concise platform tests bench requirements
+
 # two pytest-xdist workers: the modules that start Ray on one, the rest beside them (tests/conftest.py)
-test: install tools
+test: install tools lint
 	$(BYTECODE)
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
