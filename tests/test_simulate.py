@@ -263,3 +263,124 @@ def test_simulate_cli_dmt_json_and_errors(capsys):
         assert main(args + bad) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words), (bad, err)
+
+
+# ---- goodput under host failures (issue 46, "Priced"; acceptance 7) -------------------------------
+# Pure arithmetic on given step times, then the tiny spec through the CLI: under 10 s in all.
+GOODPUT_GPUS = (64, 256, 1024, 4096)
+STEP = {"host-local": 0.070, "inter-host": 0.105}  # the shape of ctr_like_0.5tb.yaml's L = 16 rows
+
+
+def _goodput(T: int, step=STEP, **model):
+    from recgrid.plan.simulate import FailureModel, goodput_row
+
+    return goodput_row(T, 8, 16, dict(step), FailureModel(**model))
+
+
+def test_goodput_follows_from_the_constants():
+    """Each recovery's goodput is (1 - H lambda x its loss per failure) / (1 + its overhead), as
+    goodput_row's docstring says, from plan/constants.py's figures; at 4096 GPUs snapshots beat
+    storage-only, inter-host loses the least time to failures but trains the least per wall second
+    here (its replica sync is slower); host-local's goodput falls as T grows, inter-host's does not."""
+    from recgrid.plan import constants as k
+
+    lam, R, S, C = k.HOST_FAILURES_PER_HOUR, k.RESTART_S, k.SNAPSHOT_EVERY_S, k.CHECKPOINT_EVERY_S
+    snap, ckpt = k.SNAPSHOT_COST_S / S, k.CHECKPOINT_COST_S / C
+    g = _goodput(4096)
+    F = 512 * lam / 3600
+    assert (g.hosts, g.num_groups, g.groups_per_host) == (512, 256, 1)
+    assert g.goodput["host_local_snapshots"] == pytest.approx((1 - F * (R + S / 2)) / (1 + snap + ckpt), rel=1e-12)
+    assert g.goodput["host_local_storage"] == pytest.approx((1 - F * (R + C / 2)) / (1 + ckpt), rel=1e-12)
+    assert g.goodput["inter_host"] == pytest.approx((1 - F * (R + k.HEAL_S) / 256) / (1 + ckpt), rel=1e-12)
+    assert g.useful_work["inter_host"] == pytest.approx(g.goodput["inter_host"] * 0.070 / 0.105, rel=1e-12)
+    assert g.goodput["inter_host"] > g.goodput["host_local_snapshots"] > g.goodput["host_local_storage"]
+    assert g.best == "host_local_snapshots"
+    assert 0.98 < g.goodput["host_local_storage"] < 0.99  # ~1.5 failures a day, each ~15 minutes of all 4096 GPUs
+    rows = [_goodput(T) for T in GOODPUT_GPUS]
+    for key in ("host_local_snapshots", "host_local_storage"):  # every host's failure costs the whole job
+        values = [r.goodput[key] for r in rows]
+        assert all(a > b for a, b in zip(values, values[1:])), (key, values)
+    # inter-host at a fixed L: H = T/8 hosts fail, each costing 1/M = L/T of the job: the same share at every T
+    assert len({round(r.goodput["inter_host"], 12) for r in rows}) == 1
+    assert g.double_failure_share < 1e-6  # why the goodput leaves it out
+
+
+def test_goodput_without_failures_is_the_overhead_alone():
+    from recgrid.plan import constants as k
+
+    g = _goodput(1024, host_failures_per_hour=0.0)
+    ckpt, snap = k.CHECKPOINT_COST_S / k.CHECKPOINT_EVERY_S, k.SNAPSHOT_COST_S / k.SNAPSHOT_EVERY_S
+    assert g.goodput["host_local_storage"] == 1 / (1 + ckpt) == g.goodput["inter_host"]
+    assert g.goodput["host_local_snapshots"] == 1 / (1 + snap + ckpt)
+    assert g.best == "host_local_storage"  # nothing to recover: the cheapest overhead wins
+    assert _goodput(1024, host_failures_per_hour=0.0, checkpoint_cost_s=0.0).goodput["host_local_storage"] == 1.0
+
+
+def test_goodput_break_evens_are_where_the_choice_turns():
+    """At the reported host failure rate inter-host trains as much as snapshots; at the reported
+    snapshot cost snapshots goodput as much as storage-only; one host has no peer to hold its copy,
+    and a host of several inter-host sharding groups takes them all."""
+    g = _goodput(1024)
+    at = _goodput(1024, host_failures_per_hour=g.inter_host_break_even_rate)
+    assert at.useful_work["inter_host"] == pytest.approx(at.useful_work["host_local_snapshots"], rel=1e-9)
+    assert _goodput(1024, host_failures_per_hour=2 * g.inter_host_break_even_rate).best == "inter_host"
+    at = _goodput(1024, snapshot_cost_s=g.snapshot_break_even_cost_s)
+    assert at.goodput["host_local_snapshots"] == pytest.approx(at.goodput["host_local_storage"], rel=1e-9)
+    assert _goodput(1024, step={"host-local": 0.1, "inter-host": 0.1}).inter_host_break_even_rate == 0.0
+    one = _goodput(8, step={"host-local": 0.07, "inter-host": None})  # T = 8: one host
+    assert one.loss_s["host_local_snapshots"] == one.loss_s["host_local_storage"] and one.goodput["inter_host"] is None
+    from recgrid.plan.simulate import FailureModel, goodput_row
+
+    small = goodput_row(64, 8, 4, dict(STEP), FailureModel())  # L = 4: a host holds two sharding groups
+    assert small.groups_per_host == 2 and small.num_groups == 16
+    assert small.loss_s["inter_host"] == pytest.approx((FailureModel().restart_s + FailureModel().heal_s) * 2 / 16)
+
+
+def test_recovery_constants_are_the_results_files():
+    """plan/constants.py's measured recovery figures are the committed results' (rerun a bench: update them)."""
+    from recgrid.plan import constants as k
+
+    results = REPO / "bench" / "results"
+    seconds = json.loads((results / "recovery.json").read_text())["results"]["tiny"]["torchft"]["seconds"]
+    assert (k.RESTART_S, k.HEAL_S) == (seconds["replacement"], seconds["heal"])
+    derived = json.loads((results / "checkpoint_cost.json").read_text())["runs"]["derived"]
+    assert k.CHECKPOINT_COST_S == derived["checkpoint_s_mean_over_workers"] / derived["checkpoints_written"]
+    assert k.DEMO_SHARD_BYTES == derived["newest_checkpoint_bytes"] / 2
+    copy = json.loads((results / "simulate.json").read_text())["snapshot_copy"]
+    assert k.SNAPSHOT_COPY_BANDWIDTH == copy["bandwidth"]
+    assert k.HOST_FAILURES_PER_HOUR == pytest.approx(1.2313e-4, rel=1e-4)
+
+
+def test_simulate_cli_prints_the_goodput_table_and_takes_the_failure_flags(capsys):
+    from recgrid.cli import main
+    from recgrid.plan.cluster import Cluster
+    from recgrid.plan.rating import evaluate
+    from recgrid.plan.tables import resolve_model
+
+    args = ["simulate", "--spec", "tiny", "--batch-per-gpu", "256", "--gpus-per-node", "8", "-L", "8",
+            "--gpus", "16,32"]
+    assert main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    two_d = [r for r in rows if r["strategy"] == "2d"]
+    assert [r["gpus"] for r in two_d] == [16, 32] and not any("failures" in r for r in rows if r not in two_d)
+    for r in two_d:
+        f = r["failures"]
+        assert set(f["goodput"]) == set(f["useful_work"]) == {"host_local_snapshots", "host_local_storage",
+                                                               "inter_host"}
+        assert f["hosts"] == r["gpus"] // 8 and f["num_groups"] == r["num_groups"]
+        cluster = Cluster(r["gpus"], 8, 256, GpuCost(H100_SXM, 8))
+        for lay in ("host-local", "inter-host"):  # each layout's step at its own K, as the planner prices it
+            c = evaluate(resolve_model("tiny", None), cluster, r["num_groups"], f["sync_every"][lay], layout=lay)
+            assert f["step_ms"][lay] == pytest.approx(c.step_s * 1e3, abs=1e-4)
+        assert r["step_ms"] == pytest.approx(min(f["step_ms"].values()), abs=1e-4)  # the row is the faster layout
+    assert two_d[1]["failures"]["goodput"]["host_local_storage"] < two_d[0]["failures"]["goodput"]["host_local_storage"]
+    assert main(args + ["--json", "--host-failures-per-hour", "0", "--checkpoint-cost-s", "0"]) == 0
+    f = json.loads(capsys.readouterr().out)[-1]["failures"]
+    assert f["goodput"]["host_local_storage"] == 1.0 and f["model"]["host_failures_per_hour"] == 0.0
+    assert main(args + ["--restart-s", "30", "--snapshot-every-s", "120"]) == 0
+    out = capsys.readouterr().out
+    assert "goodput under host failures" in out and "restart 30 s" in out and "a snapshot every 120 s" in out
+    for bad, flag in [(["--restart-s", "-1"], "--restart-s"), (["--snapshot-every-s", "0"], "--snapshot-every-s"),
+                      (["--host-failures-per-hour", "nan"], "--host-failures-per-hour")]:
+        assert main(args + bad) == 2
+        assert flag in capsys.readouterr().err

@@ -205,8 +205,31 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tower-compression", type=float, default=None, metavar="CR",
                    help="DMT: the tower modules' compression ratio; the embeddings crossing hosts shrink by CR "
                         "(the ids do not); default 1; implies --dmt")
+    _add_failure_args(p)
     _add_cluster_args(p)
     p.set_defaults(handler="recgrid.plan.simulate:run_cli")
+
+
+def _add_failure_args(p: argparse.ArgumentParser) -> None:
+    """`simulate`'s goodput term: the host failure rate and the recovery constants (plan/constants.py)."""
+    from recgrid.plan import constants as k
+
+    g = p.add_argument_group("goodput under host failures (defaults: plan/constants.py, each with its source)")
+    g.add_argument("--host-failures-per-hour", type=float, default=k.HOST_FAILURES_PER_HOUR, metavar="RATE",
+                   help="failures per host per hour (Meta's Llama 3 pre-training: 78%% of 419 interruptions in 54 "
+                        f"days on 2,048 hosts of 8 H100s; default: {k.HOST_FAILURES_PER_HOUR:.3g})")
+    g.add_argument("--restart-s", type=float, default=k.RESTART_S, metavar="S",
+                   help="seconds from a failure to a restarted group's training function (measured here)")
+    g.add_argument("--heal-s", type=float, default=k.HEAL_S, metavar="S",
+                   help="seconds a rebuilt group heals from a live peer, inter-host (measured here)")
+    g.add_argument("--snapshot-every-s", type=float, default=k.SNAPSHOT_EVERY_S, metavar="S",
+                   help="training seconds between peer-memory snapshots (host-local)")
+    g.add_argument("--snapshot-cost-s", type=float, default=k.SNAPSHOT_COST_S, metavar="S",
+                   help=f"seconds one snapshot adds to the steps (provisional; default: {k.SNAPSHOT_COST_S:.3g})")
+    g.add_argument("--checkpoint-every-s", type=float, default=k.CHECKPOINT_EVERY_S, metavar="S",
+                   help="training seconds between storage checkpoints")
+    g.add_argument("--checkpoint-cost-s", type=float, default=k.CHECKPOINT_COST_S, metavar="S",
+                   help="seconds one storage checkpoint adds to the steps (measured here)")
 
 
 def _add_towers(sub: argparse._SubParsersAction) -> None:
