@@ -212,3 +212,59 @@ def test_every_results_file_a_doc_quotes_is_checked_here():
     assert quoted and all((RESULTS / f).exists() for f in quoted), quoted
     unchecked = sorted(f for f in quoted if f'"{f}"' not in source)
     assert not unchecked, f"docs quote figures of {unchecked}, which this module does not check"
+
+
+def goodput_table_rows(run: dict) -> list[str]:
+    """performance.md's goodput table, one line per GPU count, from a `recgrid simulate` run's 2-D rows."""
+    out = []
+    for r in run["rows"]:
+        if r["strategy"] != "2d":
+            continue
+        f = r["failures"]
+        cells = [f"{f[part][k]:.4f}" for part in ("goodput", "useful_work")
+                 for k in ("host_local_snapshots", "host_local_storage", "inter_host")]
+        out.append(f"| {r['gpus']:,} | {f['hosts']} | {f['num_groups']} | {f['failures_per_day']:.3f} | "
+                   f"{f['step_ms']['host-local']:.1f} / {f['step_ms']['inter-host']:.1f} | " + " | ".join(cells)
+                   + f" | {f['inter_host_break_even_rate_multiple']:,.0f}× | {f['snapshot_break_even_cost_s']:.3f} s |")
+    return out
+
+
+def test_goodput_figures():
+    """The goodput table under host failures and its constants, as performance.md quotes them (issue 46,
+    acceptance 7)."""
+    from recgrid.plan import constants as k
+
+    sim = json.loads((RESULTS / "simulate.json").read_text())
+    run = sim["runs"]["goodput_0.5tb"]
+    rows = [r for r in run["rows"] if r["strategy"] == "2d"]
+    assert [r["gpus"] for r in rows] == [64, 256, 1024, 4096]
+    said(page(), run["command"], *goodput_table_rows(run))
+    model = rows[0]["failures"]["model"]
+    assert model == {"host_failures_per_hour": k.HOST_FAILURES_PER_HOUR, "restart_s": k.RESTART_S,
+                     "heal_s": k.HEAL_S, "snapshot_every_s": k.SNAPSHOT_EVERY_S, "snapshot_cost_s": k.SNAPSHOT_COST_S,
+                     "checkpoint_every_s": k.CHECKPOINT_EVERY_S, "checkpoint_cost_s": k.CHECKPOINT_COST_S}
+    derived = json.loads((RESULTS / "checkpoint_cost.json").read_text())["runs"]["derived"]
+    said(page(), f"| {model['host_failures_per_hour']:.3g} per host-hour |", f"| {model['restart_s']:g} s |",
+         f"| {model['heal_s']:g} s |", f"| {model['snapshot_every_s']:g} s |",
+         f"| {model['checkpoint_every_s']:g} s |",
+         f"{model['checkpoint_cost_s']:.4f} s ({derived['checkpoint_s_mean_over_workers']} s over "
+         f"{derived['checkpoints_written']} checkpoints",
+         f"{model['snapshot_cost_s'] * 1e3:.3f} ms ({k.DEMO_SHARD_BYTES:,.0f} bytes at "
+         f"{sim['snapshot_copy']['bandwidth'] / 1e9:.2f} GB/s")
+    f = {r["gpus"]: r["failures"] for r in rows}
+    lost = lambda T, key: 100 * (1 - f[T]["goodput"][key])  # noqa: E731
+    said(page(), f"storage-only gives up {lost(64, 'host_local_storage'):.2f}% of the job at 64 GPUs, "
+                 f"{lost(1024, 'host_local_storage'):.1f}% at 1,024 and {lost(4096, 'host_local_storage'):.1f}% at 4,096",
+         f"snapshots {lost(64, 'host_local_snapshots'):.2f}-{lost(4096, 'host_local_snapshots'):.2f}%",
+         f"at most {max(x['double_failure_share'] for x in f.values()):.1g} of wall time")
+    work = [x["useful_work"]["inter_host"] for x in f.values()]
+    said(page(), f"{min(work):.2f}-{max(work):.2f}x as much per wall second")
+    slower = [100 * (x["step_ms"]["inter-host"] / x["step_ms"]["host-local"] - 1) for x in f.values()]
+    said(page(), f"every step {min(slower):.0f}-{max(slower):.0f}% slower",
+         f"restart plus half a snapshot interval ({f[64]['loss_s_per_failure']['host_local_snapshots']:.0f} s of the whole",
+         f"half a checkpoint interval ({f[64]['loss_s_per_failure']['host_local_storage']:.0f} s)",
+         f"under {f[64]['snapshot_break_even_cost_s'] * 1e3:.0f} ms a minute "
+         f"({100 * f[64]['snapshot_break_even_cost_s'] / model['snapshot_every_s']:.2f}% of the time)")
+    assert lost(4096, "host_local_storage") < 2  # "a snapshot that costs 2% ... loses more than it saves" everywhere
+    assert len({x["goodput"]["inter_host"] for x in f.values()}) == 1  # "the same share at every T"
+    assert all(x["best"] == "host_local_snapshots" for x in f.values())
