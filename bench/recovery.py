@@ -20,10 +20,11 @@ rows as the killed job trained (`same_rows`).
 
 The `failure_free` source runs the demo's shape with nothing failing, alternating (`--failure-free-reps`
 jobs each): every mechanism off (no failure survived, no in-memory snapshot, no storage checkpoint),
-failures allowed (`train.max_failures=2`, the rest derived), the same without storage checkpoints
-(`failures_allowed_no_checkpoints`: what the checkpoints cost apart), and the demo as shipped; their wall
-seconds and median QPS, and each one's QPS over the mechanism-free job's: what fault tolerance
-costs when nothing fails.
+failures allowed (`train.max_failures=2`, the rest derived: in-memory snapshots at their measured
+cadence, storage checkpoints every 30 minutes of training), the same without in-memory snapshots
+(`failures_allowed_no_snapshots`: what the snapshots cost apart), and the demo as shipped; their
+wall seconds and median QPS, and each one's QPS over the mechanism-free job's: what fault
+tolerance costs when nothing fails.
 
 Writes bench/results/recovery.json (configuration, machine, figures) and prints it; a run of some
 sources only keeps the other sources' figures already in the file.
@@ -167,11 +168,12 @@ class CpuSampler:
 FAILURE_FREE = {
     # every mechanism off: no failure survived, no in-memory snapshot, no storage checkpoint
     "off": ["train.max_failures=0", "train.snapshot_every_syncs=0", "train.checkpoint_every=0"],
-    # failures survived, the rest derived (torchft for this shape, its storage checkpoints)
+    # failures survived, the rest derived: in-memory snapshots on the hosts' holders at their measured
+    # cadence (host-local), storage checkpoints every 30 minutes of training (none in this short job)
     "failures_allowed": ["train.max_failures=2"],
-    # failures survived (the live groups heal a rebuilt one) without storage checkpoints: what the
-    # checkpoints cost apart from the rest
-    "failures_allowed_no_checkpoints": ["train.max_failures=2", "train.checkpoint_every=0"],
+    # failures survived (the live groups heal a rebuilt one) without in-memory snapshots: what the
+    # snapshots cost apart from the rest
+    "failures_allowed_no_snapshots": ["train.max_failures=2", "train.snapshot_every_syncs=0"],
     # the demo as shipped (jobs/local_demo.yaml)
     "demo": [],
 }
@@ -197,8 +199,8 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
                 f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",
                 f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-failure-free-{model}",
                 *MODELS[model], *overrides])
-            paths[name] = {"snapshot_every_syncs": config.snapshot_every_syncs,
-                           "checkpoint_every": config.checkpoint_every, "max_failures": config.train.max_failures}
+            paths[name] = {"snapshot_every_syncs": config.snapshots.param(),
+                           "checkpoint_every": config.checkpoints.param(), "max_failures": config.train.max_failures}
             print(f"[bench] {model}: failure-free, {name}, job {rep + 1}/{reps} ...", file=sys.stderr, flush=True)
             t0 = time.time()
             result = run_job(config, summary=False)
@@ -208,8 +210,11 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
             qps = [m.value for m in client.get_metric_history(result.run_id, "train/qps")]
             # seconds a worker spent writing storage checkpoints over the job (the phase's per-interval seconds, summed)
             ckpt = sum(m.value for m in client.get_metric_history(result.run_id, "time/checkpoint_s"))
+            snap = sum(m.value for m in client.get_metric_history(result.run_id, "time/snapshot_s"))
             jobs[name].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
-                               "checkpoint_s": round(ckpt, 3), "eval_ne": round(result.metrics["eval/ne"], 5),
+                               "checkpoint_s": round(ckpt, 3), "snapshot_s": round(snap, 3),
+                               "holder_bytes_max": result.metrics.get("holders/bytes_max"),
+                               "eval_ne": round(result.metrics["eval/ne"], 5),
                                "load_avg_1m": round(os.getloadavg()[0], 2)})
     out: dict[str, Any] = {"configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "max_steps": 400,
                                              "batch_size_per_worker": 256, "jobs_per_variant": reps,

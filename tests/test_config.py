@@ -204,34 +204,31 @@ def test_keys_into_a_pipe_whose_reader_left_ends_quietly():
     assert p.wait(timeout=60) == 128 + 13 and err == "", err
 
 
-def test_every_job_gets_a_storage_checkpoint_cadence_by_default(data_dir) -> None:
-    """train.checkpoint_every left null: the largest multiple of K not above a tenth of the job,
-    at least K; what the job runs with is the resolved value, and that is its param. 0 stays none;
-    tower models, which write no storage checkpoints, resolve null to 0 (torchft jobs write them too)."""
+def test_a_job_that_can_restore_gets_storage_checkpoints_every_30_minutes_by_default(data_dir) -> None:
+    """train.checkpoint_every left null: for a job that survives failures, a checkpoint every
+    CHECKPOINT_EVERY_S of training (at a sync step), whatever the job's length; none for a job
+    that can never restore (train.max_failures=0) or a tower model. A written value is steps, a
+    multiple of K. What the job runs with is its param."""
+    from recgrid.config import CHECKPOINT_EVERY_S, CheckpointCadence
+
     base = ["data.train=data/train-*.tsv"]
 
-    def every(*o: str) -> int:
+    def cadence(*o: str) -> CheckpointCadence:
         cfg = load_config(None, [*base, *o])
-        assert cfg.run_params()["train.checkpoint_every"] == cfg.checkpoint_every  # logged as run
-        return cfg.checkpoint_every
+        assert cfg.run_params()["train.checkpoint_every"] == cfg.checkpoints.param()  # logged as run
+        return cfg.checkpoints
 
     assert load_config(None, base).train.checkpoint_every is None  # the config keeps what was written
-    assert every("train.max_steps=200") == 20  # K = 1: a tenth of the job
-    assert every("train.max_steps=400", "grid.num_groups=2", "grid.sync_every=5") == 40  # the demo job
-    assert every("train.max_steps=437", "grid.num_groups=2", "grid.sync_every=5") == 40  # a multiple of K below
-    assert every("train.max_steps=50", "grid.num_groups=2", "grid.sync_every=5") == 5
-    assert every("train.max_steps=12", "grid.num_groups=2", "grid.sync_every=5") == 5  # never more often than K
-    assert every("train.max_steps=5") == 1
-    assert every("train.max_steps=400", "train.checkpoint_every=0") == 0  # none, explicitly
-    assert every("train.max_steps=400", "train.checkpoint_every=15") == 15
-    assert every("grid.world_size=2", "grid.num_groups=2", "train.max_steps=200") == 20
-    assert every("model.towers=2") == 0
-    # a K sweep (`recgrid compare`) keeps a valid cadence for every K; a written one must be a multiple
-    assert every("grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100") == 9
+    assert cadence() == CheckpointCadence() and not cadence().on  # the demo's: failures end the job
+    for steps in (50, 400, 100_000):
+        assert cadence("train.max_failures=2", f"train.max_steps={steps}") == CheckpointCadence(every_s=CHECKPOINT_EVERY_S)
+    assert cadence("train.max_failures=2").param() == "1800s"
+    assert cadence("train.max_steps=400", "train.checkpoint_every=15") == CheckpointCadence(every_steps=15)
+    assert cadence("train.max_failures=2", "train.checkpoint_every=0").param() == 0  # none, explicitly
+    assert not cadence("train.max_failures=2", "model.towers=2").on
     with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be a multiple of grid\.sync_every K=3 "
-                                          r".*leave it null for the derived cadence \(9 here\)"):
-        load_config(None, [*base, "grid.num_groups=2", "grid.sync_every=3", "train.max_steps=100",
-                           "train.checkpoint_every=5"])
+                                          r".*leave it null for the derived cadence \(every 1800 s of training\)"):
+        load_config(None, [*base, "grid.num_groups=2", "grid.sync_every=3", "train.checkpoint_every=5"])
     with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be >= 0, got -5$"):
         load_config(None, [*base, "train.checkpoint_every=-5"])
 
@@ -249,18 +246,17 @@ def test_the_retired_fault_tolerance_keys_are_refused_with_a_sentence(data_dir, 
         load_config(None, [*base, "train.resize_check_s=5"])
     assert not any("fault_tolerance" in k for k in load_config(None, base).run_params())
 
-    def snapshots(*o: str) -> int:  # in-memory snapshots only where one can ever be read
+    def snapshots(*o: str):  # in-memory snapshots where a host loss can take every live copy of a shard
         cfg = load_config(None, [*base, *o])
-        assert cfg.run_params()["train.snapshot_every_syncs"] == cfg.snapshot_every_syncs
-        return cfg.snapshot_every_syncs
+        assert cfg.run_params()["train.snapshot_every_syncs"] == cfg.snapshots.param()
+        return cfg.snapshots
 
-    assert snapshots() == 0  # the demo: no failure survived, nothing restores
-    assert snapshots("train.max_failures=2") == 0  # a rebuilt group heals from a live peer group
-    assert snapshots("train.max_failures=2", "grid.num_groups=1") == 1  # ... but at M = 1 there is none
-    assert snapshots("train.snapshot_every_syncs=3", "grid.num_groups=1") == 3
-    with pytest.raises(ConfigError, match=r"^train\.snapshot_every_syncs: 3 would take in-memory snapshots that are "
-                                          r"never read: with grid\.num_groups=2 .*leave it null or set 0$"):
-        load_config(None, [*base, "train.snapshot_every_syncs=3"])
+    assert not snapshots().on  # the demo: no failure survived, nothing restores
+    assert snapshots("train.max_failures=2").measured  # host-local M = 2: a host holds every copy of its shards
+    assert snapshots("train.max_failures=2", "grid.num_groups=1", "grid.layout=inter-host").measured  # M = 1
+    assert not snapshots("train.max_failures=2", "grid.layout=inter-host").on  # a whole group survives a host
+    assert snapshots("train.snapshot_every_syncs=3").every_syncs == 3  # written: any M, any layout
+    assert snapshots("train.max_failures=2").param().startswith("measured (<= 2% of the step time, <= 20 syncs")
     # torchft's quorum waits for grid.min_world_size / L live groups (one when null)
     assert load_config(None, [*base, "grid.min_world_size=4"]).min_groups == 2
     assert load_config(None, base).min_groups == 1

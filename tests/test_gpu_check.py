@@ -22,12 +22,13 @@ def test_dry_run_lists_every_check_by_its_function(gpu_check, capsys):
     assert gpu_check.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     names = [line.split(":")[0] for line in lines]
-    assert names == [n for n, _ in gpu_check.CHECKS] and len(names) == 10
+    assert names == [n for n, _ in gpu_check.CHECKS] and len(names) == 11
     for name, fn in gpu_check.CHECKS:
         assert fn.__name__ == f"check_{name}" and fn.__doc__  # the listed line is the function's
     for needed in ("pipeline_matches_plain", "embeddings_really_pipelined", "replica_digests_equal",
                    "fp16_untouched_rows_unchanged", "startup_peak_memory", "device_matches_ray",
-                   "eval_bf16_vs_fp32", "training_qps", "torchft_collectives_on_gpu", "batches_pinned"):
+                   "eval_bf16_vs_fp32", "training_qps", "torchft_collectives_on_gpu", "batches_pinned",
+                   "snapshot_to_host_memory"):
         assert needed in names
     assert gpu_check.main(["--dry-run", "--only", "training_qps"]) == 0
     assert capsys.readouterr().out.startswith("training_qps: ")

@@ -233,6 +233,28 @@ def test_failed_job_marks_its_run_failed(two_runs):
     assert "bad/day_0:2: field C1" in failed.error
 
 
+def test_a_job_whose_host_cannot_hold_its_snapshots_is_refused_before_any_worker_starts(shared_ray, tmp_path):
+    """Issue 46, acceptance 6: Criteo Kaggle's tables at dimension 128 (16 GiB of weights and moments
+    a copy) on the suite's one-node cluster, whose holder would keep two generations of every shard
+    position: more than the host's free /dev/shm. Refused with a sentence naming the host and the
+    bytes, before job control or any worker exists; the run is FAILED."""
+    from recgrid.launch.ray import run_job
+    from recgrid.train.recovery.slots import shm_free
+
+    started = []
+    cfg = _job(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 2, [
+        "data.spec=criteo_kaggle", "model.embedding_dim=128", "model.dense_arch=[64,128]",
+        "model.sharding=table_wise", "train.max_failures=2"])
+    assert cfg.snapshots.measured
+    r = run_job(cfg, on_start=started.append, summary=False)
+    assert r.status == "FAILED" and not started and not r.attempts, r
+    free = shm_free()
+    assert r.error.startswith("GridError: in-memory snapshots: host "), r.error
+    assert "GiB of free shared memory (/dev/shm)" in r.error, r.error
+    need = int(r.error.split("GiB (")[1].split(" bytes")[0].replace(",", ""))
+    assert need > free and "train.snapshot_every_syncs=0" in r.error
+
+
 # ---- chaos (issue 7, acceptance 2) ------------------------------------------------------------------
 def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
     """The QR job's head ids: one count over the training files by the driver, recorded as an
@@ -408,7 +430,7 @@ def _first_quorum(trainer, control, coordinator, resume_from: str):
                       store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse.address())
     try:
         listener = SimpleNamespace(quorum=lambda live, rank: None, finished_elsewhere=lambda: False, say=said.append)
-        fallback = StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0, resume_from=resume_from)
+        fallback = StorageFallback(Checkpointer(), control, coordinator, 0, 0, resume_from=resume_from)
         replicas = TorchftReplicas(trainer, manager, heal, listener, fallback=fallback)
         assert replicas.start_round() == "reload"  # the state and its data cursor changed: the loop reloads
         return heal.restored, said, manager.current_step()
@@ -435,7 +457,7 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     import torch
     import torch.distributed as dist
 
-    from recgrid.config import defaults
+    from recgrid.config import SnapshotCadence, defaults
     from recgrid.data.specs import get_spec
     from recgrid.engine.grid import Grid
     from recgrid.launch.smoke import random_batches
@@ -457,11 +479,10 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
         control, coordinator = JobControl.remote(), recovery_actors.RecoveryCoordinator.remote(run_id)
         actors.extend([control, coordinator])
         coordinators.append(coordinator)
-        attempt = ray.get(control.begin_attempt.remote(1))
         trainer = Trainer.build(grid, engine, torch.device("cpu"))
         said: list[str] = []
-        snapshotter = holders.Snapshotter(trainer, coordinator, grid, trainer.groups, [node], attempt, 1,
-                                          say=said.append)
+        snapshotter = holders.Snapshotter(trainer, coordinator, grid, trainer.groups, [node],
+                                          SnapshotCadence(every_syncs=1), say=said.append)
         states = {}
         for step in snapshot_steps:
             trainer.run(iter(batches[trainer.state.step:step]), step)
@@ -472,10 +493,9 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
 
     def restore(control, coordinator):
         """A rebuilt group of M = 1 at its first quorum: the holders' snapshot (`train.recovery.storage.StorageFallback`)."""
-        attempt = ray.get(control.begin_attempt.remote(1))
         fresh = Trainer.build(grid, engine, torch.device("cpu"))
-        from_holders = holders.HolderRestore(coordinator, grid, fresh.groups, [node], attempt)
-        return fresh, StorageFallback(Checkpointer(every=0), control, coordinator, 0, 0,
+        from_holders = holders.HolderRestore(coordinator, grid, fresh.groups, [node])
+        return fresh, StorageFallback(Checkpointer(), control, coordinator, 0, 0,
                                       holders=from_holders).restore(fresh)
 
     def same(trainer, state) -> bool:

@@ -1,8 +1,8 @@
-"""Placement arithmetic (issue 14, acceptance 4): how many workers each alive node can hold, and
-the per-attempt rank record. The placement itself, on a real multi-node cluster with packed
-nodes (refusal before start, host-local replica groups on one node, inter-host sharding groups
-apart, surviving a node loss from peers), is tested in tests/test_recovery_nodes.py, whose
-cluster and jobs it shares."""
+"""Placement arithmetic: how many workers each alive node can hold, which nodes each sharding
+group's run is pinned to under either layout, what each host's snapshot holder keeps, and the
+per-attempt rank record. The placement itself, on a real multi-node cluster (refusal before
+start, host-local replica groups on one node, inter-host sharding groups apart on roomy nodes, a
+host loss under both layouts), is tested in tests/test_recovery_nodes.py."""
 
 
 def test_node_slots_count_the_workers_each_alive_node_can_hold():
@@ -44,4 +44,28 @@ def test_host_local_pins_each_replica_group_to_one_node_or_whole_nodes_of_its_ow
     assert host_local_nodes([node("b", 2), node("a", 2)], one, 1, 4) == [["a", "a", "b", "b"]]
     # room for fewer whole replica groups than positions: not pinned
     assert host_local_nodes([node("a", 3)], one, 2, 2) is None
-    assert label_selectors([["a", "a"], ["b", "b"]], 1) == [{NODE_ID_LABEL: "a"}, {NODE_ID_LABEL: "b"}]
+    assert label_selectors(["a", "b"]) == [{NODE_ID_LABEL: "a"}, {NODE_ID_LABEL: "b"}]
+
+
+def test_inter_host_gives_each_group_nodes_of_its_own_and_holders_keep_another_hosts_copy():
+    from recgrid.train.placement import holder_bytes, inter_host_nodes, positions_by_node
+    from recgrid.train.recovery.holders import ring_keeper
+
+    def node(name, cpus, alive=True):
+        return {"NodeID": name, "Alive": alive, "Resources": {"CPU": cpus}}
+
+    one = {"CPU": 1}
+    # room for both groups on either node: still one node each (the smallest that holds a group first)
+    assert inter_host_nodes([node("a", 4), node("b", 4)], one, 2, [0, 1]) == {0: ["a", "a"], 1: ["b", "b"]}
+    assert inter_host_nodes([node("a", 8), node("b", 2)], one, 2, [0, 1]) == {0: ["b", "b"], 1: ["a", "a"]}
+    # a group of L=3 over the largest nodes together when no node holds it; the rest does not fit
+    assert inter_host_nodes([node("a", 2), node("b", 1), node("c", 1)], one, 3, [0, 1]) == {0: ["a", "a", "b"]}
+    # nodes other groups hold are not offered; a dead one neither
+    assert inter_host_nodes([node("a", 4), node("b", 4, alive=False)], one, 2, [1], taken={"a"}) == {}
+    # the holders' ring: each host keeps the next one's copy, over the hosts the positions are on
+    assert [ring_keeper(["b", "a", "c"], n) for n in "abc"] == ["b", "c", "a"] and ring_keeper(["a"], "a") is None
+    pinned = {0: ["a", "b"], 1: ["a", "b"]}  # host-local, L=2: position 0 on a, 1 on b
+    assert positions_by_node(pinned) == {"a": [0], "b": [1]}
+    assert holder_bytes(pinned, [100, 30], 2) == {"a": 2 * (100 + 30), "b": 2 * (30 + 100)}
+    assert holder_bytes({0: ["a", "a", "b"]}, [1, 2, 4], 2) == {"a": 2 * (3 + 4), "b": 2 * (4 + 3)}
+    assert holder_bytes({0: ["a", "a"]}, [1, 2], 2) == {"a": 2 * 3}  # one host: nowhere else to keep a copy

@@ -237,7 +237,7 @@ def lone_group_job(tmp_path_factory, shared_ray):
         f"data.train={tmp}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=40000",
         f"data.row_log={tmp}/rows", "grid.world_size=4", "grid.num_groups=1", f"grid.sync_every={K}",
         "train.max_steps=100000", f"train.batch_size={B}", "train.log_every=5", "train.eval_every=0",
-        "train.checkpoint_every=10", "train.max_failures=1",
+        "train.checkpoint_every=10", "train.max_failures=1", "train.snapshot_every_syncs=1",
         # QR-compressed with a head cache: its q, r and h shards are snapshotted and restored as any
         "model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_operation=mult", "model.head_rows=64",
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=test-torchft-storage",
@@ -506,28 +506,35 @@ def test_delayed_moment_sync_lands_each_average_one_sync_late():
     assert torch.equal(third0[0], second0[0]) and torch.equal(third1[0], second1[0])
 
 
-def test_job_control_pins_each_groups_cursor_at_checkpoint_steps_and_rewinds_to_them():
-    """The cursors a restore from a storage checkpoint sets the groups back to: a group's own at a
-    checkpoint step it committed, where its last commit left it for one it was away for, the start
-    for one before its first; every group restoring it gets the same ones."""
+def test_job_control_pins_each_groups_cursor_at_restore_points_and_rewinds_to_them():
+    """The cursors a restore sets the groups back to (a storage checkpoint's or an in-memory
+    snapshot's step, named a restore point by its writer, `pin`, before or after the groups noted
+    it): a group's own at that step, where its last commit left it for one it was away for, the
+    start for one before its first; every group restoring it gets the same ones."""
     from recgrid.train.control import JobControlImpl
 
-    c, every = JobControlImpl(), 10
+    c = JobControlImpl()
 
     def note(g: int, step: int) -> None:
-        c.group_progress(g, step, {"steps": step * 100 + g}, float(step), every)
+        c.group_progress(g, step, {"steps": step * 100 + g}, float(step))
 
+    c.pin(5, "snapshot")  # named before any group got there
     for step in range(1, 13):
         note(0, step)
         if step <= 7 or step >= 12:  # group 1 is away from 8 to 11, and heals at 12
             note(1, step)
+    c.pin(10, "checkpoint")  # named after the groups passed it
+    assert c.cursors_at(5) == {0: {"steps": 500}, 1: {"steps": 501}}
     assert c.cursors_at(10) == {0: {"steps": 1000}, 1: {"steps": 701}}
-    c.group_progress(2, 12, {"steps": 1202}, 12.0, every)  # group 2 started late: before step 10, the start
+    c.group_progress(2, 12, {"steps": 1202}, 12.0)  # group 2 started late: before step 10, the start
     assert c.cursors_at(10)[2] is None
     cursors = c.rewind_groups(10)
     assert cursors == {0: {"steps": 1000}, 1: {"steps": 701}, 2: None}
     assert c.group_status(1)["cursor"] == {"steps": 701} and c.group_status(0)["step"] == 10
     assert c.rewind_groups(10) == cursors  # a group restoring it after the first: the same cursors
+    for step in (15, 20, 25):  # the newest two restore points of each kind are kept
+        c.pin(step, "snapshot")
+    assert 5 not in c.pins and 10 in c.pins and {20, 25} <= set(c.pins)
 
 
 def test_job_control_answers_every_progress_note_with_the_asks_still_open():

@@ -7,8 +7,8 @@ a wrong value fails at start-up with a sentence that begins with the field's pat
 `optim.lr: must be > 0, got -0.1`.
 
 The config keeps what the user wrote; values left null are resolved by `JobConfig`'s
-properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoint_every`,
-`snapshot_every_syncs`, `run_name`) from the
+properties (`embedding_dim`, `dense_arch`, `moment_scale`, `precision`, `checkpoints`,
+`snapshots`, `run_name`) from the
 dataset spec, the grid and the device, so changing `grid.num_groups` later never leaves a stale
 `c` behind.
 `to_flat_dict()` gives the resolved values as dotted keys for MLflow params.
@@ -163,9 +163,9 @@ class TrainConfig:
     max_failures: int = 0
     """Worker failures each sharding group survives (every group is a Ray Train run of its own, whose FailureConfig this is: Ray Train restarts the group's L workers, which heal from a live peer group, else restore from the node holders, the storage checkpoint or train.resume_from); 0 = fail on the first (the group's run fails, and the job with it)."""
     snapshot_every_syncs: int | None = None
-    """In-memory snapshots of every shard, kept by a holder actor per node, read when the job's one sharding group (M = 1) is rebuilt (no live peer group can heal it): every this many blocks of K steps; 0 = none. null = derived: 1 for a job of one sharding group that survives failures (train.max_failures > 0), else 0 (a job that can never restore takes none; with M >= 2 a rebuilt group heals from a live peer group, and a value > 0 is refused)."""
+    """In-memory snapshots of every shard position, taken at a committed replica sync by the live sharding group of quorum rank 0 and kept by a holder actor per host: each host's holder keeps the host's own shard positions and a copy of another host's (a ring over the hosts), so a lost host is restored from memory, at most one snapshot interval back: every this many blocks of K steps; 0 = none. null = derived: on for a job that can restore (train.max_failures > 0) and whose host loss can take every live copy of a shard (host-local at any M, M = 1 under either layout), every as many syncs as keep the snapshots' cost on the step's path at or under 2% of the step time (measured as the job runs), at most 20 syncs apart; else 0 (an inter-host job of M >= 2 heals a lost host's group from a live peer)."""
     checkpoint_every: int | None = None
-    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no live sharding group is left to heal from and no in-memory copy survives (M = 1 and a node lost, or under host-local the node that holds shard s of every group); a multiple of grid.sync_every, so replicas are identical when written; 0 = none (a group rebuilt with no live peer and no in-memory copy then starts again from step 0, and says so). null = derived: the largest multiple of K not above 10% of train.max_steps, at least K (at most about a tenth of the job is lost; ten checkpoints a job, e.g. every 40 steps for max_steps 400 and K 5); 0 for tower models, which write no storage checkpoints. The live sharding group of quorum rank 0 writes them. A job keeps its two newest checkpoints."""
+    """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the fallback when no live sharding group and no in-memory copy is left (a host and the host that keeps its copy lost at once, or every host); a multiple of grid.sync_every, so replicas are identical when written; 0 = none. null = derived: for a job that can restore (train.max_failures > 0), one every 30 minutes of training (at the first sync step past it), else 0; 0 for tower models, which write no storage checkpoints. The live sharding group of quorum rank 0 writes them; a job keeps its two newest."""
     storage_path: str | None = None
     """Where Ray Train keeps the job's run directory and storage checkpoints: a local path or a pyarrow/fsspec URI (s3://...); null = runs/ray under the current directory (or $RECGRID_RUNS_DIR/ray)."""
     resume_from: str | None = None
@@ -204,14 +204,49 @@ class TrackingConfig:
     """With log_model: also register the logged model as a new version of this registered model name; null = not registered."""
 
 
-CHECKPOINT_LOSS_FRACTION = 0.1  # the derived checkpoint cadence loses at most this share of train.max_steps
+# the derived cadences (`JobConfig.checkpoints`, `JobConfig.snapshots`), decided here
+CHECKPOINT_EVERY_S = 1800.0  # a storage checkpoint every 30 minutes of training
+SNAPSHOT_STEP_FRACTION = 0.02  # in-memory snapshots cost at most this share of the step time on the step's path
+SNAPSHOT_MAX_SYNCS = 20  # ... and are never more than this many replica syncs apart
 
 
-def default_checkpoint_every(max_steps: int, sync_every: int) -> int:
-    """The derived train.checkpoint_every: the largest multiple of K = `sync_every` not above
-    `CHECKPOINT_LOSS_FRACTION` of `max_steps`, and at least K (checkpoints are written at sync
-    steps). A restore from it redoes at most that share of the job (about ten checkpoints a job)."""
-    return sync_every * max(1, int(max_steps * CHECKPOINT_LOSS_FRACTION) // sync_every)
+@dataclass(frozen=True)
+class CheckpointCadence:
+    """When the storage checkpoints are written, at sync steps: every `every_steps` steps (a
+    multiple of K), or at the first sync step `every_s` seconds of training after the last one;
+    neither: none."""
+
+    every_steps: int = 0
+    every_s: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return bool(self.every_steps or self.every_s)
+
+    def param(self) -> int | str:
+        """The run's `train.checkpoint_every` param: the steps, or the time budget ("1800s")."""
+        return f"{self.every_s:g}s" if self.every_s else self.every_steps
+
+
+@dataclass(frozen=True)
+class SnapshotCadence:
+    """When the in-memory snapshots are taken, at committed replica syncs: every `every_syncs`
+    syncs, or with `measured` as often as keeps their cost on the step's path at or under
+    `step_fraction` of the step time, at most `max_syncs` syncs apart; neither: none."""
+
+    every_syncs: int = 0
+    measured: bool = False
+    step_fraction: float = SNAPSHOT_STEP_FRACTION
+    max_syncs: int = SNAPSHOT_MAX_SYNCS
+
+    @property
+    def on(self) -> bool:
+        return self.measured or self.every_syncs > 0
+
+    def param(self) -> int | str:
+        """The run's `train.snapshot_every_syncs` param: the syncs, or "measured" (derived)."""
+        return f"measured (<= {self.step_fraction:.0%} of the step time, <= {self.max_syncs} syncs apart)" \
+            if self.measured else self.every_syncs
 
 
 SECTIONS: dict[str, type] = {
@@ -360,12 +395,6 @@ class JobConfig:
         _at_least("train.max_failures", t.max_failures, 0)
         if t.snapshot_every_syncs is not None:
             _at_least("train.snapshot_every_syncs", t.snapshot_every_syncs, 0)
-            if t.snapshot_every_syncs and self.grid.num_groups > 1:
-                raise ConfigError(
-                    f"train.snapshot_every_syncs: {t.snapshot_every_syncs} would take in-memory snapshots that are never "
-                    f"read: with grid.num_groups={self.grid.num_groups} a rebuilt sharding group heals from a live peer "
-                    f"group, and only a job of one sharding group (grid.num_groups=1) restores from them; leave it "
-                    f"null or set 0")
         self._check_checkpoints()
         if t.resume_from is not None and "://" not in t.resume_from:
             if not (Path(t.resume_from) / ".metadata").is_file():
@@ -382,7 +411,7 @@ class JobConfig:
             raise ConfigError("tracking.experiment: must not be empty")
 
     def _check_checkpoints(self) -> None:
-        """train.checkpoint_every as written: null (derived: `checkpoint_every`) or a multiple of K."""
+        """train.checkpoint_every as written: null (derived: `checkpoints`) or a multiple of K."""
         t, K = self.train, self.grid.sync_every
         if t.checkpoint_every is None:
             return
@@ -391,7 +420,7 @@ class JobConfig:
             raise ConfigError(
                 f"train.checkpoint_every: must be a multiple of grid.sync_every K={K} (checkpoints are "
                 f"written at sync steps, when the replicas are identical), got {t.checkpoint_every}; "
-                f"leave it null for the derived cadence ({default_checkpoint_every(t.max_steps, K)} here)")
+                f"leave it null for the derived cadence (every {CHECKPOINT_EVERY_S:g} s of training)")
 
     def _check_compression(self, spec: DatasetSpec) -> None:
         """model.compression and its fields (data/specs.py, engine/compression.py)."""
@@ -479,26 +508,33 @@ class JobConfig:
         return TowerConfig.from_option(m.towers, module=m.tower_module, compression=m.tower_compression)
 
     @property
-    def checkpoint_every(self) -> int:
-        """Steps between storage checkpoints: `train.checkpoint_every`, or when null the derived
-        cadence (`default_checkpoint_every`), and 0 for what writes none (tower models). What the
-        job runs with and logs as its param."""
-        t = self.train
-        if t.checkpoint_every is not None:
-            return t.checkpoint_every
-        if self.model.towers is not None:
-            return 0
-        return default_checkpoint_every(t.max_steps, self.grid.sync_every)
+    def can_restore(self) -> bool:
+        """Whether a failure can be survived at all (`train.max_failures` > 0): only then are the
+        derived snapshot and checkpoint cadences on."""
+        return self.train.max_failures > 0
 
     @property
-    def snapshot_every_syncs(self) -> int:
-        """Replica syncs between in-memory snapshots: `train.snapshot_every_syncs`, or when null 1
-        where a snapshot can ever be read (failures survived with M = 1: no live peer group can
-        serve), else 0."""
+    def checkpoints(self) -> CheckpointCadence:
+        """When the storage checkpoints are written: `train.checkpoint_every` steps, or when null
+        every `CHECKPOINT_EVERY_S` of training for a job that can restore (none else, and none for
+        tower models, which write none)."""
         t = self.train
+        if t.checkpoint_every is not None:
+            return CheckpointCadence(every_steps=t.checkpoint_every)
+        if self.model.towers is not None or not self.can_restore:
+            return CheckpointCadence()
+        return CheckpointCadence(every_s=CHECKPOINT_EVERY_S)
+
+    @property
+    def snapshots(self) -> SnapshotCadence:
+        """When the in-memory snapshots are taken: `train.snapshot_every_syncs`, or when null
+        measured (`SnapshotCadence`) for a job that can restore and whose host loss can take every
+        live copy of a shard (host-local at any M, M = 1 under either layout), else none."""
+        t, g = self.train, self.grid
         if t.snapshot_every_syncs is not None:
-            return t.snapshot_every_syncs
-        return 1 if t.max_failures > 0 and self.grid.num_groups == 1 else 0
+            return SnapshotCadence(every_syncs=t.snapshot_every_syncs)
+        exposed = g.layout == "host-local" or g.num_groups == 1
+        return SnapshotCadence(measured=self.can_restore and exposed)
 
     @property
     def moment_scale(self) -> float:
@@ -523,8 +559,8 @@ class JobConfig:
 
     def to_flat_dict(self, resolved: bool = True) -> dict[str, Any]:
         """`{"grid.world_size": 4, ...}` for MLflow params; with `resolved`, nulls that have a
-        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoint_every,
-        snapshot_every_syncs, run_name) carry it."""
+        derived value (embedding_dim, dense_arch, moment_scale, precision, checkpoints,
+        snapshots, run_name) carry it."""
         flat = {f"{s}.{k}": v for s, fields_ in self.to_dict().items() for k, v in fields_.items()}
         if resolved:
             flat.update({
@@ -532,8 +568,8 @@ class JobConfig:
                 "model.dense_arch": self.dense_arch,
                 "optim.moment_scale": self.moment_scale,
                 "train.precision": self.precision,
-                "train.checkpoint_every": self.checkpoint_every,
-                "train.snapshot_every_syncs": self.snapshot_every_syncs,
+                "train.checkpoint_every": self.checkpoints.param(),
+                "train.snapshot_every_syncs": self.snapshots.param(),
                 "tracking.run_name": self.run_name,
             })
         return flat
@@ -555,7 +591,7 @@ class JobConfig:
 DERIVED_PARAMS: dict[str, str] = {
     "derived.group_size": "L = T / M: workers in one sharding group",
     "derived.workers_per_node": "workers per node as the grid placed them (attempt 0)",
-    "derived.nodes": "distinct nodes the first complete attempt ran on",
+    "derived.nodes": "distinct nodes the job's first placement ran on (each global rank's first process)",
     "derived.global_batch": "`recgrid compare`'s parent run: T x train.batch_size",
 }
 # prefixes of params that are not config keys either: the stack's versions (`Tracker.log_stack_versions`)

@@ -1,14 +1,14 @@
 """The one place where CPU and GPU differ: which device a worker computes on and which backend
 its process groups use, whether the training loop runs TorchRec's pipeline, how device work is
-timed, and in what precision dense compute runs. Everything else takes a `torch.device` and
-asks here."""
+timed and copied out to host memory, and in what precision dense compute runs. Everything else
+takes a `torch.device` and asks here."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the sharding choices and config validation reach this module without torch
     import torch
@@ -284,3 +284,50 @@ class CudaStopwatch(Stopwatch):
 def stopwatch(device: "torch.device") -> Stopwatch:
     """A stopwatch for `device`'s work: CUDA events on a GPU, the host clock on CPU."""
     return CudaStopwatch() if device.type == "cuda" else Stopwatch()
+
+
+# ---- copies out of the device into host memory (in-memory snapshots) --------------------------------
+def pin_host_memory(buf: "torch.Tensor") -> "Any":
+    """Page-lock the host memory under `buf` (a CPU tensor over memory recgrid mapped: a snapshot's
+    shared-memory slot file) so device-to-host copies into it run asynchronously, off the host's
+    clock. Returns the undo (call it before the mapping goes), or None: nothing to do off CUDA, or
+    the driver refused (the copies then block the host, as into pageable memory)."""
+    import torch
+
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return None
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, buf.numel() * buf.element_size(), 0)) != 0:
+        return None
+    return lambda: cudart.cudaHostUnregister(ptr)
+
+
+class HostCopy:
+    """Copies of device tensors into host memory issued on the current stream without waiting:
+    `copy(dst, src)` queues each (in stream order, so the next step's kernels, which update the
+    tables in place, run after it), `done()` says whether they have landed without waiting,
+    `wait()` waits for them. On CPU every copy is done when `copy` returns."""
+
+    def __init__(self, device: "torch.device") -> None:
+        self.device = device
+        self._event: Any = None
+
+    def copy(self, dst: "torch.Tensor", src: "torch.Tensor") -> None:
+        dst.copy_(src, non_blocking=self.device.type == "cuda")
+
+    def issued(self) -> "HostCopy":
+        """Mark the copies issued so far (a CUDA event on the current stream)."""
+        if self.device.type == "cuda":
+            import torch
+
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()

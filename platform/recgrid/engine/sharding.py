@@ -249,6 +249,24 @@ def plan_record(plan: "ShardingPlan") -> dict[str, Any]:
     return out
 
 
+MOMENT_BYTES = 4  # row-wise AdaGrad keeps one fp32 moment per row of every shard
+
+
+def shard_position_bytes(plan: "ShardingPlan", group_size: int, dtype: str = "fp32") -> list[int]:
+    """Bytes each of the `group_size` shard ranks of a sharding group holds in its fused kernels:
+    every shard of the plan placed there, its weights at the tables' data type `dtype` and one
+    moment per row (what an in-memory snapshot copies of that shard position)."""
+    from recgrid.data.specs import DTYPE_BYTES
+
+    record = plan_record(plan)
+    out = [0] * group_size
+    for table in record.values():
+        for shard in table["shards"]:
+            rows, cols = shard["sizes"]
+            out[shard["shard_rank"]] += rows * cols * DTYPE_BYTES[dtype] + rows * MOMENT_BYTES
+    return out
+
+
 def _tables(model: "torch.nn.Module") -> list[tuple[str, int]]:
     """(table name, embedding dim) of every table in the unsharded model."""
     from torchrec import EmbeddingBagCollection

@@ -89,6 +89,7 @@ CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 # of its sharding group, and the end of every run are seen up to that much later. A poll is one small
 # call per worker of the run.
 RUN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+HOLDER_METER_S = 10.0  # how often the driver logs what the hosts' snapshot holders keep
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
 
 
@@ -189,6 +190,9 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     heading = [("run", f"{config.run_name} ({result.run_id}) {result.status} in {result.seconds:,.1f} s"),
                ("grid", f"T={g.world_size} M={g.num_groups} L={g.group_size} K={config.grid.sync_every} "
                         f"c={config.moment_scale:g} layout={g.layout}")]
+    if status.get("holder_bytes"):  # what each host's snapshot holder kept at most
+        heading.append(("snapshot holders (most per host)", "; ".join(
+            f"{node[:12]} {b / 2**20:,.1f} MiB" for node, b in sorted(status["holder_bytes"].items()))))
     # the group count and recoveries only when they say something: an elastic job's change, a recovery
     skip = (() if metrics.get("grid/num_groups", g.num_groups) != g.num_groups else ("grid/num_groups",)) \
         + (() if metrics.get("recovery/count") else ("recovery/count",))
@@ -424,7 +428,10 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import GROUP_RUN_PLACEMENT, host_local_nodes, label_selectors, record_ranks
+    from recgrid.train.placement import (GROUP_RUN_PLACEMENT, check_holder_room, holder_bytes, label_selectors,
+                                         positions_by_node, record_ranks)
+    from recgrid.train.recovery.holders import KEEP_GENERATIONS
+    from recgrid.engine.sharding import shard_position_bytes
     from recgrid.train.recovery.coordinator import RecoveryCoordinator
     from recgrid.train.recovery.slots import remove_snapshot_files
     from recgrid.train.trainer import EngineConfig, LoopConfig
@@ -448,16 +455,23 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
 
     # on the driver's node (the head, under the Job API): they must outlive every worker node
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    t = config.train
+    # where each sharding group's run goes (pinned per layout), known before the workers are built
+    runs = JobRuns(grid, here, placer(config))
+    if config.snapshots.on:  # what each host's holder will keep, against its room: refused before any worker starts
+        where = runs.pinned or runs.unpinned_positions(worker_resources(config))
+        check_holder_room(holder_bytes(where, shard_position_bytes(plan, grid.group_size, engine.model.embedding_dtype),
+                                       KEEP_GENERATIONS), node_room(list(positions_by_node(where))))
     actors = JobActors(control=JobControl.options(scheduling_strategy=here).remote(),
                        recovery=RecoveryCoordinator.options(scheduling_strategy=here).remote(tracker.run_id))
-    lighthouse = runs = None  # made below, ended in the finally whatever fails before training
+    lighthouse = meter = None  # made below, ended in the finally whatever fails before training
     status: dict[str, Any] = {}
-    console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts))
+    console = Console(actors.control, record=lambda attempts: record_ranks(tracker.run_id, tracker.tracking_uri, attempts,
+                                                                          grid.world_size))
     at_once = False
     try:
         if on_start is not None:
             on_start(actors)
-        t = config.train
         # the job's torchft lighthouse, in this process (it outlives every sharding group's run)
         lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups)
         job = WorkerJob(
@@ -466,10 +480,9 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
             tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
             run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
-            rows_per_unit=config.data.rows_per_unit, checkpoint_every=config.checkpoint_every,
-            snapshot_every_syncs=config.snapshot_every_syncs,
+            rows_per_unit=config.data.rows_per_unit, checkpoints=config.checkpoints, snapshots=config.snapshots,
             lighthouse=lighthouse.address,
-            min_groups=config.min_groups, start_groups=placeable_groups(config),
+            min_groups=config.min_groups, start_groups=runs.start_groups(placeable_groups(config)),
             log_model=config.tracking.log_model and config.model.towers is None,  # towers: no checkpoint, no model
         )
 
@@ -481,33 +494,36 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         name = f"{config.run_name}-{tracker.run_id[:8]}"
         backend = torch_config(config)
 
-        def group_run(g: int, nodes_of: list[list[str]] | None) -> Any:
-            """Sharding group g's Ray Train run (L workers, its torch world): Ray restarts a failed group's
-            run alone, and the groups meet across runs through the job's lighthouse (train/recovery/peers.py)."""
+        def group_run(g: int, positions: list[str] | None) -> Any:
+            """Sharding group g's Ray Train run (L workers, its torch world; shard position s on
+            `positions[s]` when pinned): Ray restarts a failed group's run alone, and the groups meet
+            across runs through the job's lighthouse (train/recovery/peers.py)."""
             return TorchTrainer(
                 train_loop_per_worker=group_worker,
                 train_loop_config={**pack(job), "group": g},  # bytes: the controller need not import TorchRec (train/entry.py)
                 scaling_config=ScalingConfig(num_workers=grid.group_size, use_gpu=t.use_gpu,
                                              resources_per_worker=worker_resources(config),
                                              placement_strategy=GROUP_RUN_PLACEMENT[grid.layout],
-                                             label_selector=label_selectors(nodes_of, g) if nodes_of else None),
+                                             label_selector=label_selectors(positions) if positions else None),
                 torch_config=backend, run_config=run_config(f"{name}-group{g}"))
 
-        runs = JobRuns(group_run, grid.num_groups, here,
-                       pin=(lambda: host_local_nodes(ray.nodes(), worker_resources(config), grid.group_size,
-                                                     grid.num_groups)) if grid.layout == "host-local" else None)
+        runs.make_run = group_run
         low = config.min_groups
+        survives = t.max_failures > 0
         say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
             f"layout={grid.layout}, {t.max_steps} steps x {t.batch_size} rows/worker"
             + (f", down to {low} live sharding group(s)" if 1 < low < grid.num_groups else "")
-            + (", each sharding group a Ray Train run; the other groups keep training while a failed one is "
-               "restarted and healed from a live peer group" if grid.num_groups > 1 else
-               ", the sharding group a Ray Train run, restarted on a failure and restored from its in-memory "
-               "snapshots on the node holders" if t.max_failures and config.snapshot_every_syncs else ""))
-        if grid.layout == "host-local" and grid.num_groups > 1 and runs.nodes_of is None:
+            + (", each sharding group a Ray Train run" if grid.num_groups > 1 else ", one sharding group")
+            + ("; a failed group is restarted and heals from a live peer group while the others train on"
+               if survives and grid.num_groups > 1 else "; a failure fails the job (train.max_failures=0)"
+               if not survives else "")
+            + ("; in-memory snapshots on the hosts' holders" if config.snapshots.on else ""))
+        if runs.unplaced:
             say("host-local: the cluster's nodes cannot hold every replica group whole yet, so the sharding groups' "
                 "runs are not pinned to nodes: Ray spreads each group, and a replica group may straddle nodes")
-        _fit_watched(runs, console, interrupts or Interrupts(), actors.control)
+        if config.snapshots.on:
+            meter = HolderMeter(actors.recovery, tracker, console)
+        _fit_watched(runs, console, interrupts or Interrupts(), actors.control, meter)
     except Interrupted:
         at_once = True
         raise
@@ -518,14 +534,15 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
                 _end_workers()
             else:
                 status = actors.status()
+                if meter is not None:
+                    status["holder_bytes"] = dict(meter.peak)
                 ray.get(actors.recovery.release.remote(), timeout=60)  # the holders delete their shard files
         except Exception:  # noqa: BLE001 - the job's own error matters more
             pass
         remove_snapshot_files(tracker.run_id)  # those of holders whose (simulated) node died on this machine
         if not at_once:
             actors.end()
-        if runs is not None:
-            runs.end()  # a run still waiting for room ends with it
+        runs.end()  # a run still waiting for room ends with it
         if lighthouse is not None:
             lighthouse.shutdown()
     if status.get("stop") == STOP_NOW and (status.get("final") or {}).get("interrupted"):
@@ -533,17 +550,18 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     return status
 
 
-def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", control: Any) -> None:
+def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", control: Any,
+                 meter: "HolderMeter | None" = None) -> None:
     """Each of the job's runs (`runs.start()`: one call each that returns when its Ray Train run has
     ended) in a thread of its own (Ray Train then leaves SIGINT to this process; one run per
     sharding group, side by side), while this thread prints the workers' lines and answers
     interrupts: the first asks the workers to stop at their next sync step; a second, or
     `STOP_GRACE_S` without them stopping, raises `Interrupted`. A run that failed (its Ray Train
     failures spent) fails the job, with its error. Every second it asks `runs.moved()` whether a
-    node the runs are pinned to is gone (host-local; the runs are then started again elsewhere:
-    those it ended are not failures). It ends every run still going: the runs left
-    `RUNS_END_GRACE_S` after the job's training ended (a group waiting for room after a drain or
-    a node loss) are ended, and a failed run ends the others at once."""
+    node a run is pinned to is gone (the runs it ends are not failures; it starts them again where
+    the layout allows), and `meter` logs what the hosts' snapshot holders keep. It ends every run
+    still going: the runs left `RUNS_END_GRACE_S` after the job's training ended (a group waiting
+    for room after a drain or a node loss) are ended, and a failed run ends the others at once."""
     errors: list[BaseException] = []
     ended = threading.Event()
     threads: list[threading.Thread] = []
@@ -555,9 +573,8 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
             if not ended.is_set() and not retired.is_set():  # a run the driver ended is not a failure
                 errors.append(e)
 
-    def launch(started: "tuple[list[Any], threading.Event]") -> None:
-        fits, retired = started
-        for run in fits:
+    def launch(started: "list[tuple[Any, threading.Event]]") -> None:
+        for run, retired in started:
             th = threading.Thread(target=fit, args=(run, retired), name=f"recgrid-fit-{len(threads)}", daemon=True)
             threads.append(th)
             th.start()
@@ -567,7 +584,7 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
     asked = False
     over_at, polled = None, 0.0
     try:
-        while any(th.is_alive() for th in threads) or (runs.waiting and not ended.is_set()):
+        while any(th.is_alive() for th in threads) or (runs.waiting and not ended.is_set() and over_at is None):
             alive = [th for th in threads if th.is_alive()]
             for th in alive:
                 th.join(CONSOLE_POLL_S / len(alive))
@@ -579,9 +596,9 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
                     polled = time.monotonic()
                     over_at = polled if _training_over(control) else None
                     if over_at is None and not errors:
-                        moved = runs.moved()
-                        if moved is not None:
-                            launch(moved)
+                        launch(runs.moved())
+                    if meter is not None:
+                        meter.maybe_log()
                 waiting = [i for i, th in enumerate(threads) if th.is_alive()]
                 if errors or (over_at is not None and time.monotonic() - over_at > RUNS_END_GRACE_S and waiting):
                     ended.set()
@@ -600,78 +617,212 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
         raise Interrupted(interrupts.why or "KeyboardInterrupt", console.last_step) from e
     finally:
         interrupts.armed = False
+        if meter is not None:
+            meter.maybe_log(final=True)
     if errors:
         raise errors[0]
 
 
+def placer(config: JobConfig) -> Any:
+    """How the job's runs are pinned (`JobRuns`): `place(groups, taken)` -> group -> the node of each
+    of its shard positions, for the groups `groups` that the alive nodes can take besides `taken`
+    (the nodes of the groups still running); host-local places every group at once or none
+    (`train.placement.host_local_nodes`), inter-host each on nodes of its own
+    (`train.placement.inter_host_nodes`). None: the job is not pinned (one node holds workers)."""
+    import ray
+
+    from recgrid.train.placement import host_local_nodes, inter_host_nodes, worker_nodes
+
+    grid, per_worker = config.build_grid(), worker_resources(config)
+    if len(worker_nodes(ray.nodes(), per_worker)) <= 1:
+        return None
+    L, M = grid.group_size, grid.num_groups
+
+    def place(groups: list[int], taken: set[str]) -> dict[int, list[str]]:
+        if grid.layout == "inter-host":
+            return inter_host_nodes(ray.nodes(), per_worker, L, groups, taken)
+        nodes_of = host_local_nodes(ray.nodes(), per_worker, L, M)
+        return {} if nodes_of is None else {g: [nodes_of[s][g] for s in range(L)] for g in range(M)}
+
+    return place
+
+
 class JobRuns:
-    """The job's M sharding-group runs, held by one `GroupRuns` actor on the driver's node (ending
-    it ends them: the module docstring), and, host-local, the nodes they are pinned to
-    (`nodes_of`, from `pin()`: `train.placement.host_local_nodes`; None: not pinned).
+    """The job's M sharding-group runs, and the nodes each is pinned to (`pinned`: group -> the node
+    of each of its shard positions; a group not in it runs unpinned, or waits, in `waiting`, for
+    nodes). Each run is held by an owner actor (`GroupRuns`) on the driver's node, and ending the
+    owner ends its runs (the module docstring): host-local groups share their nodes and are started
+    and ended together, under one owner; inter-host groups one owner each.
 
-    `start()` starts the runs: (one fit call per run, the event `end()` sets first, so the driver
-    tells the runs it ended from failed ones). `moved()`, asked every second, answers a pinned node
-    gone: host-local, it held every copy of its shard positions, so every group restores from
-    storage wherever it runs; the runs, whose selectors name the dead node, would wait for it
-    forever. It ends them and, once the live nodes can hold every replica group whole, starts
-    them again pinned there (their workers restore the newest storage checkpoint: the restore
-    order of `train.recovery.storage`); `waiting` is true in between."""
+    `start()` starts every group `place` places now (all of them when the job is not pinned);
+    `moved()`, asked every second, answers a pinned node gone: host-local, it held shard position s
+    of every group, so every run is ended (their selectors name the dead node: they would wait for
+    it forever) and started again, pinned to live nodes, once those hold every replica group whole
+    (their workers restore the hosts' in-memory snapshot, else the newest storage checkpoint:
+    `train.recovery.storage`); inter-host, only the groups that had a worker there are ended, and
+    each is started again on nodes no other group uses once there are (it heals from a live peer).
+    Both return the runs they started: (a fit call per run, the event `end()` sets first, so the
+    driver tells the runs it ended from failed ones)."""
 
-    def __init__(self, make_run: Any, num_groups: int, here: Any, pin: Any = None) -> None:
-        self.make_run, self.num_groups, self.here, self.pin = make_run, num_groups, here, pin
-        self.nodes_of: list[list[str]] | None = pin() if pin is not None else None
-        self.owner: Any = None
-        self.retired: threading.Event | None = None
-        self.waiting = False
+    def __init__(self, grid: Any, here: Any, place: Any, make_run: Any = None) -> None:
+        self.grid, self.here, self.place, self.make_run = grid, here, place, make_run
+        self.pinned: dict[int, list[str]] = {}
+        self.unplaced = False  # host-local on several nodes that cannot hold every replica group whole: not pinned
+        if place is not None:
+            self.pinned = place(list(range(grid.num_groups)), set())
+            if grid.layout == "host-local" and len(self.pinned) < grid.num_groups:
+                self.place, self.pinned = None, {}  # the nodes cannot hold every replica group whole yet
+                self.unplaced = True
+        self.waiting: set[int] = set(range(grid.num_groups)) - set(self.pinned) if self.place is not None else set()
+        self.running: set[int] = set()
+        self.owners: list[tuple[Any, set[int], threading.Event]] = []
         self._said_wait = False
 
-    def start(self) -> tuple[list[Any], threading.Event]:
+    def start_groups(self, placeable: int) -> int:
+        """How many sharding groups start now (the first quorum waits for them): the pinned ones, or
+        unpinned, the ones the cluster's nodes hold (`placeable`)."""
+        return len(self.pinned) if self.place is not None else placeable
+
+    def unpinned_positions(self, per_worker: dict[str, float]) -> dict[int, list[str]]:
+        """Where an unpinned job's shard positions are, for its holders' memory: on the one node
+        that holds workers ({} where that is unknown: an elastic host-local job not pinned yet)."""
         import ray
 
-        trainers = [self.make_run(g, self.nodes_of) for g in range(self.num_groups)]
-        # the runs' controllers are this actor's children and inherit its environment
+        from recgrid.train.placement import worker_nodes
+
+        nodes = worker_nodes(ray.nodes(), per_worker)
+        if self.place is not None or len(nodes) != 1:
+            return {}
+        return {0: nodes * self.grid.group_size}
+
+    def start(self) -> list[tuple[Any, threading.Event]]:
+        groups = sorted(self.pinned) if self.place is not None else list(range(self.grid.num_groups))
+        return self._start(groups)
+
+    def _start(self, groups: list[int]) -> list[tuple[Any, threading.Event]]:
+        import ray
+
+        # the runs' controllers are their owner's children and inherit its environment
         env = {k: v for k, v in RUN_ENV.items() if k not in os.environ}  # a value the driver was given wins
-        owner = self.owner = GroupRuns.options(scheduling_strategy=self.here, max_concurrency=len(trainers),
-                                               runtime_env={"env_vars": env} if env else None).remote()
-        self.retired = threading.Event()
-        return [(lambda tr=tr: _raise_returned(ray.get(owner.fit.remote(tr)))) for tr in trainers], self.retired
+        cohorts = [groups] if self.grid.layout == "host-local" else [[g] for g in groups]
+        started = []
+        for cohort in cohorts:
+            trainers = [self.make_run(g, self.pinned.get(g)) for g in cohort]
+            owner = GroupRuns.options(scheduling_strategy=self.here, max_concurrency=len(trainers),
+                                      runtime_env={"env_vars": env} if env else None).remote()
+            retired = threading.Event()
+            self.owners.append((owner, set(cohort), retired))
+            started += [((lambda tr=tr, owner=owner: _raise_returned(ray.get(owner.fit.remote(tr)))), retired)
+                        for tr in trainers]
+            self.running |= set(cohort)
+            self.waiting -= set(cohort)
+        return started
 
-    def moved(self) -> tuple[list[Any], threading.Event] | None:
+    def moved(self) -> list[tuple[Any, threading.Event]]:
         import ray
 
-        if self.pin is None or (self.nodes_of is None and not self.waiting):
-            return None
+        if self.place is None:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        lost = sorted(g for g in self.running if set(self.pinned.get(g, ())) - alive)
+        if lost:
+            gone = sorted(n[:12] for g in lost for n in set(self.pinned[g]) - alive)
+            if self.grid.layout == "host-local":
+                positions = sorted({s for g in lost for s, n in enumerate(self.pinned[g]) if n not in alive})
+                say(f"host-local: node(s) {', '.join(sorted(set(gone)))} holding shard position(s) {positions} of every "
+                    f"sharding group are gone, and every live copy of those shards with them; the groups' runs are "
+                    f"ended and started again on the live nodes, where they restore the hosts' in-memory snapshot "
+                    f"(else the newest storage checkpoint)")
+                lost = sorted(self.running)
+            else:
+                say(f"inter-host: node(s) {', '.join(sorted(set(gone)))} of sharding group(s) {lost} are gone; "
+                    f"their runs are ended and started again on nodes no other group uses, once there are, and heal "
+                    f"from a live peer group; the other groups train on")
+            self._end(set(lost))
+            self._said_wait = False
         if not self.waiting:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            lost = [s for s, nodes in enumerate(self.nodes_of) if set(nodes) - alive]  # type: ignore[arg-type]
-            if not lost:
-                return None
-            gone = sorted(n[:12] for n in {n for s in lost for n in self.nodes_of[s]} - alive)  # type: ignore[index]
-            say(f"host-local: node(s) {', '.join(gone)} holding shard position(s) {lost} of every sharding group "
-                f"are gone, and every copy of those shards with them; the groups' runs are ended and started again "
-                f"on the live nodes, where they restore the newest storage checkpoint")
-            self.end()
-            self.waiting, self._said_wait = True, False
-        nodes_of = self.pin()
-        if nodes_of is None:
+            return []
+        held = {n for g in self.running for n in self.pinned.get(g, ())}
+        placed = self.place(sorted(self.waiting), held)
+        placed = {g: p for g, p in placed.items() if g in self.waiting}
+        if not placed or (self.grid.layout == "host-local" and len(placed) < len(self.waiting)):
             if not self._said_wait:
-                say("host-local: waiting for nodes that hold every replica group whole")
+                say("host-local: waiting for nodes that hold every replica group whole"
+                    if self.grid.layout == "host-local" else
+                    f"inter-host: sharding group(s) {sorted(self.waiting)} wait for nodes no other group uses")
                 self._said_wait = True
-            return None
-        self.nodes_of, self.waiting = nodes_of, False
-        return self.start()
+            return []
+        self.pinned.update(placed)
+        return self._start(sorted(placed))
+
+    def _end(self, groups: set[int]) -> None:
+        """End the owners of `groups` (each owner's runs are retired: not failures)."""
+        import ray
+
+        for owner, cohort, retired in list(self.owners):
+            if cohort & groups:
+                retired.set()
+                try:
+                    ray.kill(owner)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+                self.owners.remove((owner, cohort, retired))
+                self.running -= cohort
+                self.waiting |= cohort
 
     def end(self) -> None:
-        """End every run it holds (those ended here are not failures: `retired`)."""
+        """End every run it holds (those ended here are not failures)."""
+        self._end(set(self.running))
+        self.waiting.clear()
+
+
+class HolderMeter:
+    """What the hosts' snapshot holders keep, in the run: `holders/bytes/<host>` per host (every
+    HOLDER_METER_S while the job trains, at the newest step, and once at its end) and, at the end,
+    `holders/bytes_max`; `peak` is each host's most (the summary's line)."""
+
+    def __init__(self, coordinator: Any, tracker: Any, console: "Console") -> None:
+        self.coordinator, self.tracker, self.console = coordinator, tracker, console
+        self.peak: dict[str, int] = {}
+        self._at = 0.0
+        self._step = -1  # the newest step logged at (one value per metric and step)
+
+    def maybe_log(self, final: bool = False) -> None:
         import ray
 
-        if self.retired is not None:
-            self.retired.set()
-        if self.owner is not None:
-            try:
-                ray.kill(self.owner)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        step = self.console.last_step or 0
+        if not final and (step <= self._step or time.monotonic() - self._at < HOLDER_METER_S):
+            return
+        self._at = time.monotonic()
+        try:
+            now = ray.get(self.coordinator.holder_bytes.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - a figure for operators: the job goes on without it
+            now = {}
+        for node, nbytes in now.items():
+            self.peak[node] = max(self.peak.get(node, 0), nbytes)
+        values: dict[str, float] = {f"holders/bytes/{node[:12]}": float(b) for node, b in now.items() if b} \
+            if step > self._step else {}
+        if final and self.peak:
+            values["holders/bytes_max"] = float(max(self.peak.values()))
+        if values:
+            self.tracker.log_metrics(values, max(step, self._step))
+        self._step = max(step, self._step)
+
+
+def node_room(nodes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each of `nodes`' room for snapshot holders, read on the node by a task of no CPU (free
+    /dev/shm, None without it) and from Ray (its object store's size, its address)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from recgrid.train.recovery.slots import shm_free
+
+    info = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+    probe = ray.remote(num_cpus=0)(shm_free)
+    free = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+                    for n in nodes], timeout=120)
+    return {n: {"shm_free": f, "object_store": info.get(n, {}).get("Resources", {}).get("object_store_memory", 0),
+                "address": info.get(n, {}).get("NodeManagerAddress", "?")} for n, f in zip(nodes, free)}
 
 
 def _training_over(control: Any) -> bool:

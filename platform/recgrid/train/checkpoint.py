@@ -8,9 +8,9 @@ Train's report is a barrier over every worker of a run): the job's recovery coor
 them (`train.recovery.storage.StorageFallback`). Outside Ray Train (the local launcher, tests) the same code
 writes under a plain directory.
 
-`Checkpointer.maybe_save(step)` writes every `train.checkpoint_every` steps (by default a tenth of
-the job: `JobConfig.checkpoint_every`); `Checkpointer.keep_newest` keeps the job's `CHECKPOINTS_KEPT`
-newest and deletes the older ones. What is written is
+`Checkpointer.maybe_save` writes at the job's cadence (`JobConfig.checkpoints`: every
+`train.checkpoint_every` steps, or by default every 30 minutes of training); `Checkpointer.keep_newest`
+keeps the job's `CHECKPOINTS_KEPT` newest and deletes the older ones. What is written is
 the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
 sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
 DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
@@ -42,8 +42,11 @@ import io
 import os
 import pickle
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from recgrid.config import CheckpointCadence
 
 if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
@@ -364,35 +367,46 @@ class Checkpointer:
     """Writes and reads the trainer's state. `root` is where checkpoints go outside Ray Train;
     inside it, Ray Train's storage context decides (`ray_storage=True`).
 
-    It owns the cadence of a job's checkpoints: given the `trainer` and `every` (steps, a
-    multiple of K; 0: none), the loop calls `maybe_save(step)` after every step;
-    `after_save(step, path)` runs once one is written.
+    It owns the cadence of a job's checkpoints (`cadence`: every so many steps, or every so many
+    seconds of training; at sync steps): `wants(step)` is this worker's vote at a sync step, and
+    `maybe_save(step, agreed)` writes when the writing group agreed on one (the replica
+    component agrees the votes, `Replicas.agree`); `after_save(step, path)` runs once one is written.
     """
 
     root: str | None = None
     ray_storage: bool = False
-    every: int = 0
+    cadence: CheckpointCadence = field(default_factory=CheckpointCadence)
     trainer: "Trainer | None" = None
     after_save: Callable[[int, str], None] | None = None
+    written_at: int | None = field(default=None, init=False)  # the step of the newest checkpoint this one wrote
+    _since: float = field(default_factory=time.monotonic, init=False, repr=False)  # the time budget's clock
 
-    def maybe_save(self, step: int, force: bool = False) -> str | None:
-        """Write a checkpoint if `step` is one of the job's checkpoint steps (`force`: any sync
-        step of a job with checkpoints, e.g. where an interrupt stopped it)."""
-        if not self.every or (step % self.every and not force) or self.trainer is None:
+    def wants(self, step: int) -> bool:
+        """This worker's vote, at sync step `step`, for a checkpoint there: a multiple of the
+        cadence's steps, or its seconds of training gone since the last one (or the start)."""
+        c = self.cadence
+        if c.every_steps:
+            return step % c.every_steps == 0
+        return bool(c.every_s) and time.monotonic() - self._since >= c.every_s
+
+    def maybe_save(self, step: int, agreed: bool) -> str | None:
+        """Write a checkpoint of `step` if the writing group agreed on one there."""
+        if not agreed or not self.cadence.on or self.trainer is None:
             return None
         return self._write(step)
 
     def save_at(self, step: int) -> str:
         """A checkpoint of step `step` (an interrupt's, the last group's at a drain, the job's final
-        one): the one the cadence wrote there at a checkpoint step, else one written now
-        (collective), whatever the cadence (`every` 0 included)."""
-        if self.every and step % self.every == 0:
+        one): the one the cadence wrote there, else one written now (collective), whatever the
+        cadence (none included)."""
+        if self.written_at == step:
             return self.path_for(step)
         return self._write(step)
 
     def _write(self, step: int) -> str:
         with self.trainer.metrics.timer.phase("checkpoint"):  # type: ignore[union-attr]
             path = self.save(self.trainer)  # type: ignore[arg-type]
+        self.written_at, self._since = step, time.monotonic()
         if self.after_save is not None:
             self.after_save(step, path)
         return path

@@ -25,10 +25,10 @@ events):
 - with torchft, each sharding group's progress (`group_progress`): the step and data cursor of
   its newest committed round, noted by the group's shard rank 0 after every commit, so a rebuilt
   group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
-  fast the groups that kept training went meanwhile; each group's cursor at the job's storage
-  checkpoint steps is kept too (`cursors_at`), and a restore from a storage checkpoint sets every
-  group back to it (`rewind_groups`); and the groups that left at a node drain (`group_leaves`),
-  until they commit again.
+  fast the groups that kept training went meanwhile; each group's cursor at the job's restore
+  points (the steps of its in-memory snapshots and storage checkpoints, `pin`) is kept too
+  (`cursors_at`), and a restore of one sets every group back to it (`rewind_groups`); and the
+  groups that left at a node drain (`group_leaves`), until they commit again.
 
 Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
 """
@@ -42,7 +42,8 @@ from typing import Any
 
 HEARTBEAT_S = 1.0  # the most often a worker tells the job its step
 GROUP_HISTORY = 2000  # commits kept per sharding group (torchft): enough to cover a recovery's seconds
-PINS_KEPT = 4  # storage checkpoint steps whose group cursors are kept (torchft); a job keeps its 2 newest checkpoints
+PINS_KEPT = 2  # restore points of each kind whose group cursors are kept: a job keeps 2 checkpoints, 2 snapshots
+CURSORS_KEPT = 64  # each group's newest noted cursors: a restore point pinned up to this many sync steps late
 # the stop codes the workers agree on (`Trainer.fit`, `FitHooks.stop_requested`): 0 trains on
 STOP_FINISH = 1  # end at the next logging interval, as if max_steps were reached (final evaluation included)
 STOP_NOW = 2  # an interrupt: end at the next stop check, no evaluation
@@ -63,7 +64,8 @@ class JobControlImpl:
         self.event_slots: dict[int, tuple[int, int]] = {}  # recovery event -> (step, time in ms) it is logged at
         self.events_logged: set[int] = set()  # recovery events whose metrics and tags reached the run
         self.groups: dict[int, dict[str, Any]] = {}  # torchft: sharding group -> its newest commit, and a history
-        self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # torchft: checkpoint step -> group -> cursor
+        self.pins: dict[int, dict[int, dict[str, Any] | None]] = {}  # restore point step -> group -> cursor
+        self.pin_kinds: dict[str, list[int]] = {}  # "snapshot" / "checkpoint" -> its restore points kept
         self.leaves: list[dict[str, Any]] = []  # torchft: each sharding group's leaving at a drain (group, step, at)
         self.joins = 0  # torchft: how many times a sharding group asked for its first quorum (`joining`)
         # torchft: the groups that asked for their first quorum and have not committed since -> their ask's number
@@ -157,51 +159,64 @@ class JobControlImpl:
             self.asking[group] = self.joins
             return self.joins
 
-    def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float,
-                       checkpoint_every: int = 0) -> dict[int, int]:
-        """Sharding group `group` committed the sync step `step`; its data cursor is `cursor`
-        (torchft: `train.recovery.peers`). The last GROUP_HISTORY notes' (time, step) are kept for the
-        recovery's rates, and the group's cursor at every storage checkpoint step (a multiple of
-        `checkpoint_every`) it committed or was away for (then its cursor stood where its last
-        note left it). Returns the asks still open (`joining`): group -> its ask's number, for the
-        groups that asked for their first quorum and have not committed since (a committed sync
-        step means a group is in a quorum: its own ask closes here)."""
+    def group_progress(self, group: int, step: int, cursor: dict[str, Any], when: float) -> dict[int, int]:
+        """Sharding group `group` committed the sync step `step`; its data cursor is `cursor`. The
+        last GROUP_HISTORY notes' (time, step) are kept for the recovery's rates, the last
+        CURSORS_KEPT (step, cursor) for a restore point named after its step was noted (`pin`), and
+        every restore point's cursor is brought up to this note when the note is not past it.
+        Returns the asks still open (`joining`): group -> its ask's number, for the groups that asked
+        for their first quorum and have not committed since (a committed sync step means a group is
+        in a quorum: its own ask closes here)."""
         with self._lock:
-            g = self.groups.setdefault(group, {"history": []})
-            if checkpoint_every:
-                before, kept = g.get("step", 0), g.get("cursor")
-                for s in range(before // checkpoint_every * checkpoint_every + checkpoint_every, step, checkpoint_every):
-                    self.pins.setdefault(s, {})[group] = kept  # away at s (None: before its first commit)
-                if step % checkpoint_every == 0:
-                    self.pins.setdefault(step, {})[group] = cursor
-                for s in sorted(self.pins)[:-PINS_KEPT]:
-                    del self.pins[s]
+            g = self.groups.setdefault(group, {"history": [], "cursors": []})
             g.update(step=step, cursor=cursor, at=when)
             g["history"].append((when, step))
             del g["history"][:-GROUP_HISTORY]
+            g["cursors"].append((step, cursor))
+            del g["cursors"][:-CURSORS_KEPT]
+            for at, cursors in self.pins.items():
+                if step <= at:
+                    cursors[group] = cursor
             self.asking.pop(group, None)
             return dict(self.asking)
 
+    def pin(self, step: int, kind: str) -> None:
+        """Step `step` is a restore point (`kind` "snapshot" or "checkpoint": an in-memory snapshot
+        or a storage checkpoint of it was written): every sharding group's data cursor there is kept
+        (its note at that step, or the last one before it: a group away then), the newest
+        PINS_KEPT of each kind."""
+        with self._lock:
+            self.pins[step] = {g: next((c for s, c in reversed(p["cursors"]) if s <= step), None)
+                               for g, p in self.groups.items()}
+            self.pin_kinds.setdefault(kind, [])
+            if step not in self.pin_kinds[kind]:
+                self.pin_kinds[kind].append(step)
+            del self.pin_kinds[kind][:-PINS_KEPT]
+            kept = {s for steps in self.pin_kinds.values() for s in steps}
+            for s in [s for s in self.pins if s not in kept]:
+                del self.pins[s]
+
     def cursors_at(self, step: int) -> dict[int, dict[str, Any] | None]:
-        """Every sharding group's data cursor at storage checkpoint step `step` (None: the start of
-        its parts): pinned when it committed that step or moved past it, else its newest (it has
-        not got that far)."""
+        """Every sharding group's data cursor at restore point `step` (None: the start of its parts,
+        for a group that had not committed by then)."""
         with self._lock:
             pinned = self.pins.get(step, {})
-            return {g: pinned[g] if g in pinned else p.get("cursor") if p.get("step", 0) <= step else None
-                    for g, p in self.groups.items()}
+            return {g: pinned.get(g) for g in self.groups}
 
     def rewind_groups(self, step: int) -> dict[int, dict[str, Any] | None]:
-        """A sharding group restored the storage checkpoint of `step`: every group goes back to its
-        cursor there (`cursors_at`; a group rebuilt later reads on from it). Returns the cursors (the
-        same to every group restoring it)."""
+        """A sharding group restored restore point `step` (a snapshot or a storage checkpoint):
+        every group goes back to its cursor there (`cursors_at`; a group rebuilt later reads on from
+        it). Returns the cursors (the same to every group restoring it)."""
         with self._lock:
             cursors = self.cursors_at(step)
             for g, p in self.groups.items():
                 if p.get("step", 0) > step:
                     p.update(step=step, cursor=cursors[g])
+                p["cursors"] = [(s, c) for s, c in p["cursors"] if s <= step]
             for s in [s for s in self.pins if s > step]:
                 del self.pins[s]
+            for steps in self.pin_kinds.values():
+                steps[:] = [s for s in steps if s <= step]
             return cursors
 
     def group_leaves(self, group: int, step: int, nodes: list[str], deadline_ms: int | None) -> list[int]:

@@ -269,17 +269,37 @@ class Replicas:
     after a heal replaced the state, "end" when there is nothing left to train), `commit(step)`
     after backward (True: the optimizer steps and the step counts), `sync(step)` after the
     optimizer (seconds spent); per logging interval `reduce(...)` and `agree_stop(flag)`.
+    Components that act at sync steps, alike on every worker of a sharding group (a snapshot, a
+    storage checkpoint), register their vote with `agree(name, vote)`: `vote(step)` is asked at
+    each sync step's commit, and `agreed(name)` says, after it, whether any worker of the group voted yes.
     """
 
     def __init__(self, trainer: "Trainer") -> None:
         self.trainer = trainer
+        self.votes: dict[str, Callable[[int], bool]] = {}
+        self._agreed: dict[str, bool] = {}
 
     rounds_talk = False  # start_round and commit need no peer here (torchft's ask the quorum)
+
+    def agree(self, name: str, vote: Callable[[int], bool]) -> None:
+        self.votes[name] = vote
+
+    def agreed(self, name: str) -> bool:
+        """Whether the group agreed on `name` at the newest sync step's commit."""
+        return self._agreed.get(name, False)
+
+    def _local_votes(self, step: int) -> dict[str, bool]:
+        """This worker's votes at `step` (a sync step), and none between them."""
+        ends_block = sync_step(step, self.trainer.config.sync_every)
+        return {name: ends_block and bool(vote(step)) for name, vote in self.votes.items()}
 
     def start_round(self) -> str:
         return "train"
 
     def commit(self, step: int) -> bool:
+        """Every step commits; the votes need no agreement here (one process group decides alike
+        only where every worker's vote is the same: the grid's own components vote by step)."""
+        self._agreed = self._local_votes(step)
         return True
 
     def sync(self, step: int) -> float:

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from recgrid.config import CheckpointCadence, SnapshotCadence
 from recgrid.data.stream import EvalData, TrainData, stats_text
 from recgrid.data.units import EpochPlan, Inputs
 from recgrid.engine.grid import Grid
@@ -54,8 +55,8 @@ class WorkerJob:
     resume_from: str | None
     row_log: str | None
     rows_per_unit: int
-    checkpoint_every: int  # steps between storage checkpoints (resolved: `JobConfig.checkpoint_every`); 0: none
-    snapshot_every_syncs: int  # replica syncs between in-memory snapshots; 0: none
+    checkpoints: CheckpointCadence  # when the storage checkpoints are written (`JobConfig.checkpoints`)
+    snapshots: SnapshotCadence  # when the in-memory snapshots are taken (`JobConfig.snapshots`)
     lighthouse: str  # the job's torchft lighthouse (`train.recovery.peers.Lighthouse`, owned by the driver)
     min_groups: int  # the fewest live sharding groups that train (`JobConfig.min_groups`)
     start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)
@@ -170,15 +171,20 @@ def train_group_worker(cfg: dict) -> None:
     control.note.remote(attempt, rank, {"ready": True, "sharding_group": g, "shard_rank": s})
     if not replacement:
         _wait_for_peers(control, job.start_groups * L)
-    # M = 1: in-memory snapshots on the nodes' holders, read first when the group is rebuilt (no peer can serve)
-    snapshotter, holders = _group_snapshots(job, trainer, attempt, T // L)
-    # storage checkpoints: written by the live group of quorum rank 0, read when no live group is ahead
-    fallback = StorageFallback(Checkpointer(ray_storage=True, every=job.checkpoint_every,
-                                            trainer=trainer), control, job.recovery, g, s, job.resume_from, holders)
-    progress = GroupProgress(control, g, s, trainer, job.checkpoint_every)
+    # in-memory snapshots on the hosts' holders, taken by the live group of quorum rank 0 and read when
+    # no live group is ahead (a host loss under host-local, any failure at M = 1)
+    snapshotter, holders = _group_snapshots(job, trainer)
+    # storage checkpoints: written by the live group of quorum rank 0, read when no live group or snapshot is left
+    checkpointer = Checkpointer(ray_storage=True, cadence=job.checkpoints, trainer=trainer)
+    fallback = StorageFallback(checkpointer, control, job.recovery, g, s, job.resume_from, holders,
+                               agreed=lambda name: trainer.replicas.agreed(name))
+    progress = GroupProgress(control, g, s, trainer)
     replicas = trainer.replicas = TorchftReplicas(trainer, manager, heal, report, group_size=L, fallback=fallback,
                                                   drain_notice=ray.train.get_preemption_info, joins=progress,
                                                   peers=T > L, replica_pg=replica_pg)
+    replicas.agree("checkpoint", checkpointer.wants)
+    if snapshotter is not None:
+        replicas.agree("snapshot", snapshotter.wants)
 
     def checkpoint(step: int) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
@@ -197,10 +203,11 @@ def train_group_worker(cfg: dict) -> None:
         seen = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         control.say.remote(f"[recgrid] sharding group {g}: shard rank {s} stopped ({seen}); Ray Train restarts the "
                            + ("group, which heals from a live peer group" if T > L else
-                              "group, which restores from its node holders"))
+                              "group, which restores from the hosts' holders" if snapshotter is not None else
+                              "group, which restores the newest storage checkpoint"))
         raise
     step, ck = trainer.state.step, fallback.checkpointer
-    if trainer.interrupted and ck.every and replicas.evaluates():
+    if trainer.interrupted and ck.cadence.on and replicas.evaluates():
         # interrupted at a sync step (`Trainer.fit`): the live groups agree, so the writing group makes a checkpoint
         path = ck.save_at(step)
         if s == 0:
@@ -237,9 +244,8 @@ class GroupProgress:
     changes. The other shard ranks note nothing and hear nothing (their group-mate's word reaches
     them through the group's agreement, `TorchftReplicas.commit`)."""
 
-    def __init__(self, control: Any, group: int, shard: int, trainer: Trainer, checkpoint_every: int) -> None:
+    def __init__(self, control: Any, group: int, shard: int, trainer: Trainer) -> None:
         self.control, self.group, self.shard, self.trainer = control, group, shard, trainer
-        self.checkpoint_every = checkpoint_every
         self.met: set[tuple[int, int]] = set()  # the asks (group, number) this worker has heard
         self.heard = False  # an ask not in `met` arrived and nobody has been told yet
         self._answer: Any = None  # the newest note's reply, not read yet
@@ -249,7 +255,7 @@ class GroupProgress:
             return
         self._read()
         self._answer = self.control.group_progress.remote(self.group, step, self.trainer.state.cursor.state_dict(),
-                                                          time.time(), self.checkpoint_every)
+                                                          time.time())
 
     def announce(self) -> None:
         import ray
@@ -274,24 +280,28 @@ class GroupProgress:
             self.heard = True
 
 
-def _group_snapshots(job: WorkerJob, trainer: Trainer, attempt: int, num_groups: int) -> tuple[Any, Any]:
-    """With M = 1 and `train.snapshot_every_syncs` > 0: this worker's snapshotter
-    (every that many blocks of K steps, its shard position to its node's holder) and the holders'
-    side of a restore (`train.recovery.holders.HolderRestore` over the group's grid), else (None, None).
-    Collective over the sharding group (its workers' nodes)."""
+def _group_snapshots(job: WorkerJob, trainer: Trainer) -> tuple[Any, Any]:
+    """When the job takes in-memory snapshots (`JobConfig.snapshots`): this worker's snapshotter
+    (its shard position to its host's holder at the snapshot steps, while its group is the one
+    that writes) and the holders' side of a restore (`train.recovery.holders.HolderRestore` over
+    the group's grid), else (None, None). Collective over the sharding group (its workers' hosts)."""
     import ray
     import torch.distributed as dist
 
     from recgrid.train.recovery.holders import HolderRestore, Snapshotter
 
-    if num_groups != 1 or not job.snapshot_every_syncs:
+    if not job.snapshots.on:
         return None, None
     grid, groups = trainer.grid, trainer.groups
     nodes: list[Any] = [None] * grid.world_size
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    say = (lambda msg: job.control.say.remote(f"[recgrid] {msg}"))
-    return (Snapshotter(trainer, job.recovery, grid, groups, nodes, attempt, job.snapshot_every_syncs, say=say),
-            HolderRestore(job.recovery, grid, groups, nodes, attempt))
+    control = job.control
+    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, nodes, job.snapshots,
+                              writes=lambda: trainer.replicas.evaluates(),
+                              agreed=lambda name: trainer.replicas.agreed(name),
+                              say=lambda msg: control.say.remote(f"[recgrid] {msg}"),
+                              pin=lambda step: control.pin.remote(step, "snapshot"))
+    return snapshotter, HolderRestore(job.recovery, grid, groups, nodes)
 
 
 def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: Any, manager: Any, g: int, s: int,
@@ -312,7 +322,7 @@ def _leave_at_drain(job: WorkerJob, trainer: Trainer, replicas: Any, fallback: A
     if L > 1:
         dist.broadcast_object_list(box, src=0)
     stays, ckpt, kept = box[0], fallback.checkpointer, None
-    if not stays and ckpt.every:  # no group trains on: the model goes to storage (collective over the group)
+    if not stays and ckpt.cadence.on:  # no group trains on: the model goes to storage (collective over the group)
         kept = ckpt.save_at(step)
     if s == 0:
         left = max(0.0, notice.deadline_ms / 1000 - time.time()) if notice.deadline_ms else None

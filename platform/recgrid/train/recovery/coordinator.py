@@ -1,7 +1,7 @@
 """The job's recovery record: one actor (`RecoveryCoordinator`), owned by the driver on its node,
-that outlives every sharding group's run. It keeps the nodes' snapshot holders (one per node,
-created there on first use) and makes the restore plan from what the live ones hold
-(`train.recovery.holders`), lists the storage checkpoints written (`train.recovery.storage`), and
+that outlives every sharding group's run. It keeps the hosts' snapshot holders (one per host,
+created there on first use), makes the restore plan from what the live ones hold and says how
+much each keeps (`train.recovery.holders`), lists the storage checkpoints written (`train.recovery.storage`), and
 keeps the recovery events in order, as the rebuilt groups record them and the logging worker logs
 them into the run (`train.recovery.events`). Attempts, heartbeats and the stop flag are job
 control's (`train.control`).
@@ -97,6 +97,19 @@ class RecoveryCoordinatorImpl:
         import ray
 
         ray.get([h.drop_after.remote(step) for h in self.holders.values()], timeout=60)
+
+    def holder_bytes(self) -> dict[str, int]:
+        """Bytes each live host's holder keeps now (its own shard positions' copies and the ones
+        it keeps for another host, over the generations it keeps)."""
+        import ray
+
+        out = {}
+        for node, holder in list(self.holders.items()):
+            try:
+                out[node] = ray.get(holder.nbytes.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a lost host's holder: nothing kept there any more
+                continue
+        return out
 
     # ---- storage checkpoints and events ----------------------------------------------------------------
     def checkpoint_written(self, step: int, path: str) -> None:

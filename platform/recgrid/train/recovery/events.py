@@ -91,8 +91,8 @@ class RecoveryEvents:
         (`StorageFallback.restore`); `before`: its last committed step before it failed."""
         source, step = restored["source"], restored["step"]
         lost = before if source == "resume" else max(0, before - step)  # the group's commits trained again
-        why = {"holder": f": the in-memory snapshot of step {step} restored from the node holders, bit for bit "
-                         f"({lost} steps trained again)",
+        why = {"holder": f": the in-memory snapshot of step {step} restored from the hosts' holders, bit for bit, "
+                         f"every group's data cursor set back there ({lost} steps trained again)",
                "storage": f": the storage checkpoint of step {step} restored, every group's data cursor set back "
                           f"there ({lost} steps trained again)",
                "resume": f" and no storage checkpoint of this job: resumed from train.resume_from, the checkpoint "
@@ -102,7 +102,7 @@ class RecoveryEvents:
                  "why": (f"resuming from the checkpoint {restored['path']} (step {step}; train.resume_from)"
                          if at_start else f"no live sharding group ahead of step 0{why}")}
         if source == "holder":
-            event.update(shards=restored["shards"],
+            event.update(shards=restored["shards"], snapshot_interval_steps=restored.get("snapshot_interval_steps"),
                          bit_identical=all(x["digest"] == x["source_digest"] for x in restored["shards"]))
         return event
 

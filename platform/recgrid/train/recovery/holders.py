@@ -1,43 +1,33 @@
-"""In-memory snapshots on the nodes' holders: copies of every shard kept outside the sharding
-group's run, for the one case where no live peer group can heal a rebuilt group: a job of one
-sharding group (M = 1), whose run Ray Train restarts on a failure (with M >= 2 a rebuilt group
-heals from a live peer, `train.recovery.peers`, and no snapshot is taken).
+"""In-memory snapshots on the hosts' holders: copies of every shard position kept outside the
+sharding groups' runs, for when no live peer group can heal a rebuilt group (every group lost a
+worker at once: a host loss under host-local, any failure at M = 1). One design at any M; the
+protocol is docs/design-notes.md's "Failures, restarts and elastic jobs".
 
-- `SnapshotHolder`, one per node (created on the node it serves by the job's recovery coordinator,
-  which the driver owns, so no worker's death takes it along; mind Ray's ownership rule: an object
-  a worker puts dies with that worker): it keeps the snapshot generations handed to it by the
-  workers of its node, at most two (the newest complete one and the one being written). A shard
-  copy lives in one of two shared-memory slot files per shard position that the holder owns
-  (`train.recovery.slots`). The small parts (dense part, progress, NE windows), and the shards
-  too where /dev/shm is missing or too small, go through the object store and are copied out by
-  the holder.
-- `Snapshotter`, on every worker: owns the cadence. The loop calls `maybe_snapshot(step)` after
-  every step, and at every snapshot point (a sync step, every `train.snapshot_every_syncs` blocks
-  of K steps) each node's holder receives the copy of every shard position held on that node,
-  plus the dense part and the progress. What a snapshot carries is the trainer's one state
-  inventory (`Trainer.snapshot()`: the shard, the dense part, the progress with the data cursor,
-  the NE window); nothing here assembles state of its own. A generation is complete when the live
-  holders together have every shard position 0..L-1, the dense part and the progress
-  (`plan_restore`).
-- `HolderRestore`, on every worker of a rebuilt group: each worker takes its shard position from
-  its own node's holder if it has one, else from a holder on another node; no storage read. A
-  holder records each copy's checksum (`slots.digest`) as it arrives, and before a restore uses a
-  generation its copies are checked against it: a copy whose bits changed since (a corrupted slot
-  file) is dropped, the restore's detail and the run's event say which, and the plan is made
-  without it (another node's copy, an older generation, else the storage checkpoint). After the
-  load each worker's restored shard is checked against the same checksum, bit for bit.
-
-Work lost is at most the steps since the last snapshot (K steps with snapshots at every sync).
+- `SnapshotHolder`, one per host (made there by the job's recovery coordinator, which the driver
+  owns, so no worker's death takes it along): the newest generations handed to it (at most two:
+  the newest complete one and the one being written), of its own host's shard positions, in
+  shared-memory slot files (`train.recovery.slots`), and of one other host's, whose holder
+  forwards every copy it receives (`keep`), so a lost host's positions survive on the next.
+- `Snapshotter`, on every worker: at a committed replica sync the live group of quorum rank 0
+  hands each host's holder its share of the trainer's state (`Trainer.snapshot()`: the shards,
+  the dense part, the progress, the NE windows), as often as its cadence says (`SnapshotCadence`).
+- `HolderRestore`, on every worker of a group that found nobody ahead of step 0: its shard
+  position from the newest complete generation, this host's holder first, checked bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from recgrid.config import SnapshotCadence
+from recgrid.engine.device import HostCopy, pin_host_memory
+from recgrid.engine.sync import sync_step
 from recgrid.train.control import LazyActor
 from recgrid.train.recovery.slots import (SnapshotDirRefused, allocate_slot_files, array_view, digest,
                                           make_node_dir, map_slot, read_slot, remove_node_dir, shard_layout,
@@ -70,21 +60,30 @@ def plan_restore(inventories: dict[str, dict[int, list[str]]], group_size: int,
             held = {k for inv in inventories.values() for k in inv.get(step, [])}
             windows = {k: sorted(n for n, inv in inventories.items() if k in inv.get(step, []))
                        for k in sorted(k for k in held if k.startswith("window/"))}
-            return {"step": step, "where": where, "windows": windows, "lost_nodes": list(lost)}
+            return {"step": step, "where": where, "windows": windows, "lost_nodes": list(lost), "generations": steps}
     return {"step": None, "missing": missing_newest, "lost_nodes": list(lost), "generations": steps}
 
 
+def ring_keeper(nodes: Sequence[str], node: str) -> str | None:
+    """The host whose holder keeps a copy of `node`'s: the next of `nodes` (the hosts the
+    snapshots come from) in sorted order, around the ring; None on one host (no other to keep it)."""
+    ring = sorted(set(nodes))
+    if len(ring) < 2:
+        return None
+    return ring[(ring.index(node) + 1) % len(ring)]
+
+
 class SnapshotHolderImpl:
-    """One node's in-memory snapshots: generation (step) -> key -> what holds the payload.
+    """One host's in-memory snapshots: generation (step) -> key -> what holds the payload.
 
     Keys: "shard/<j>" (shard position j: a list of arrays), "dense" (name -> array), "progress"
-    (the job's progress), "window/<rank>" (a worker's NE window). A shard is
-    normally in one of the key's two slot files, which this holder owns and the sender wrote in place
-    (`reserve` / `commit`; held as {"path", "slot", "layout"}). Every other payload, and a shard
-    when there is no room in shared memory, arrives as a view of an object the sending worker
-    owns and is copied, once, into an object of this holder's (`ray.put` here; held as [ref]):
-    it outlives the sender, stays in the node's shared-memory object store, and a restoring
-    worker on this node maps it without another copy through this process.
+    (the job's progress), "window/<rank>" (a worker's NE window). A shard of this host is
+    normally in one of the key's two slot files, which this holder owns and the sender wrote in
+    place (`commit`; held as {"path", "slot", "layout"}). Every other payload, a shard when there
+    is no room in shared memory, and the copies another host's holder forwards (`keep`) are
+    copied, once, into objects of this holder's (`ray.put` here; held as [ref]): they outlive the
+    sender and stay in this host's object store. What arrives from a worker of this host is
+    forwarded to `keeper` (the holder of the host that keeps this one's copies), if one is named.
     """
 
     def __init__(self, node_id: str, run_id: str = "local") -> None:
@@ -92,7 +91,9 @@ class SnapshotHolderImpl:
         self.generations: dict[int, dict[str, Any]] = {}
         # (step, key) -> the payload's checksum as it arrived (`digest`): a restore checks the copy against it
         self.digests: dict[tuple[int, str], str] = {}
-        self._lock = threading.Lock()  # the workers of a node put at once
+        self.origins: dict[tuple[int, str], str] = {}  # (step, key) -> the host a kept copy came from
+        self.sizes: dict[tuple[int, str], int] = {}  # (step, key) -> bytes held
+        self._lock = threading.Lock()  # the workers of a host put at once
         self.problem: str | None = None  # why this holder keeps no slot files (for the job's log)
         self.swept: list[str] = []
         self.root = self._make_root()
@@ -128,15 +129,43 @@ class SnapshotHolderImpl:
                 self._drop(old)
         return True
 
-    def put(self, step: int, key: str, payload: Any) -> None:
+    def _hold(self, step: int, key: str, held: Any, checksum: str, nbytes: int, origin: str | None = None) -> bool:
+        with self._lock:
+            if not self._admit(step):
+                return False
+            self.generations[step][key] = held
+            self.digests[(step, key)], self.sizes[(step, key)] = checksum, nbytes
+            if origin is not None:
+                self.origins[(step, key)] = origin
+            return True
+
+    def put(self, step: int, key: str, payload: Any, keeper: Any = None) -> None:
         import ray
 
-        checksum = digest(_arrays(payload))  # of the bits as they arrived, before the copy
-        payload = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
-        with self._lock:
-            if self._admit(step):
-                self.generations[step][key] = payload
-                self.digests[(step, key)] = checksum
+        arrays = _arrays(payload)
+        checksum = digest(arrays)  # of the bits as they arrived, before the copy
+        held = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
+        if self._hold(step, key, held, checksum, sum(int(a.nbytes) for a in arrays)) and keeper is not None:
+            keeper.keep.remote(step, key, held, checksum, self.node_id)
+
+    def put_many(self, step: int, payload: dict[str, Any], keeper: Any = None) -> None:
+        for key, value in payload.items():
+            self.put(step, key, value, keeper)
+
+    def keep(self, step: int, key: str, held: list, checksum: str, origin: str) -> None:
+        """Keep a copy of host `origin`'s payload `key` (its holder forwards everything its workers
+        hand it): fetched here, checked against the checksum it had there, and held as this
+        holder's own object (a copy that arrived changed is not kept: the restore then goes on
+        without it, older generations or storage)."""
+        import ray
+
+        payload = ray.get(held[0])
+        arrays = _arrays(payload)
+        if digest(arrays) != checksum:
+            print(f"[recgrid] the copy of {key}@{step} from node {origin[:12]} arrived changed; not kept",
+                  file=sys.stderr, flush=True)
+            return
+        self._hold(step, key, [ray.put(payload)], checksum, sum(int(a.nbytes) for a in arrays), origin)
 
     def reserve(self, step: int, key: str, nbytes: int) -> dict[str, Any] | None:
         """A shared-memory slot file of `nbytes` for `key` at generation `step`: the one of the
@@ -162,29 +191,41 @@ class SnapshotHolderImpl:
     def _allocate(self, key: str, nbytes: int) -> list[str] | None:
         return None if self.root is None else allocate_slot_files(self.root, key, nbytes)
 
-    def commit(self, step: int, key: str, slot: dict[str, Any], layout: list) -> None:
-        """The writer finished the slot file it reserved: generation `step` now has `key`, and its
-        checksum as written (off the writer's clock: the writer waits for it only at its next snapshot)."""
-        checksum = digest(read_slot(slot["path"], layout))
-        with self._lock:
-            if step in self.generations:  # else dropped meanwhile (a restore went back before it)
-                self.generations[step][key] = {**slot, "layout": layout}
-                self.digests[(step, key)] = checksum
+    def commit(self, step: int, key: str, slot: dict[str, Any], layout: list, keeper: Any = None) -> None:
+        """The writer finished writing generation `step`'s `key` into one of the key's slot files:
+        held, with its checksum as written (off the writer's clock: the writer waits for it only at
+        its next snapshot), and a copy goes to `keeper`, if named. A kept generation whose copy of
+        `key` was in that slot file lost it (overwritten)."""
+        import ray
 
-    def put_many(self, step: int, payload: dict[str, Any]) -> None:
-        for key, value in payload.items():
-            self.put(step, key, value)
+        arrays = read_slot(slot["path"], layout)
+        checksum = digest(arrays)
+        with self._lock:
+            for s, g in self.generations.items():
+                if s != step and isinstance(g.get(key), dict) and g[key]["slot"] == slot["slot"]:
+                    del g[key]
+            if not self._admit(step):
+                return
+            self.generations[step][key] = {**slot, "layout": layout}
+            self.digests[(step, key)] = checksum
+            self.sizes[(step, key)] = sum(int(a.nbytes) for a in arrays)
+        if keeper is not None:
+            keeper.keep.remote(step, key, [ray.put(arrays)], checksum, self.node_id)
 
     def inventory(self) -> dict[int, list[str]]:
         return {step: sorted(keys) for step, keys in self.generations.items()}
 
     def get(self, step: int, key: str) -> Any:
         """[the payload's object ref] (in a list, so the caller fetches it straight from the store),
-        or for a shard in a slot file {"path", "slot", "layout"} (a worker on this node maps it)."""
+        or for a shard in a slot file {"path", "slot", "layout"} (a worker on this host maps it)."""
         return self.generations[step][key]
 
+    def origin_of(self, step: int, key: str) -> str:
+        """The host a held payload came from: this one, or the host whose copy this holder keeps."""
+        return self.origins.get((step, key), self.node_id)
+
     def fetch(self, step: int, key: str) -> list:
-        """[an object ref to a payload's arrays] (a worker on another node: the store moves it there)."""
+        """[an object ref to a payload's arrays] (a worker on another host: the store moves it there)."""
         import ray
 
         return [ray.put(self._payload(step, key))]
@@ -223,11 +264,12 @@ class SnapshotHolderImpl:
                 self._drop(s)
 
     def nbytes(self) -> int:
-        """Bytes held: the kept generations' payloads (a slot file counts while a generation uses it)."""
-        return sum(int(a.nbytes) for s, g in self.generations.items() for k in g for a in _arrays(self._payload(s, k)))
+        """Bytes held: the kept generations' payloads, this host's and the copies kept for another."""
+        with self._lock:
+            return sum(self.sizes.get((s, k), 0) for s, g in self.generations.items() for k in g)
 
     def files(self) -> list[str]:
-        """The slot files on disk (at most two per shard position of this node)."""
+        """The slot files on disk (at most two per shard position of this host)."""
         return slot_files(self.root)
 
     def close(self) -> None:
@@ -240,8 +282,9 @@ class SnapshotHolderImpl:
 
     def _drop(self, step: int) -> None:
         self.generations.pop(step, None)  # its slot files stay, for the next generation to reuse
-        for k in [k for k in self.digests if k[0] == step]:
-            del self.digests[k]
+        for table in (self.digests, self.origins, self.sizes):
+            for k in [k for k in table if k[0] == step]:
+                del table[k]
 
 
 def _arrays(payload: Any) -> list[np.ndarray]:
@@ -262,151 +305,227 @@ class _WorkerSide:
     """What a worker's snapshotter and its recovery share: the job's actors and where it sits.
 
     Args:
-        coordinator: the job's RecoveryCoordinator (None: no in-memory copies, e.g. local runs).
-        grid, groups: this attempt's grid and this worker's process groups.
+        coordinator: the job's RecoveryCoordinator.
+        grid, groups: the trainer's grid (its sharding group) and this worker's process groups.
         nodes: node id of every rank of the grid.
-        attempt: this attempt's number.
     """
 
-    def __init__(self, coordinator: Any, grid: "Grid", groups: "GridGroups", nodes: Sequence[str], attempt: int) -> None:
-        self.coordinator, self.grid, self.groups, self.nodes, self.attempt = coordinator, grid, groups, list(nodes), attempt
+    def __init__(self, coordinator: Any, grid: "Grid", groups: "GridGroups", nodes: Sequence[str]) -> None:
+        self.coordinator, self.grid, self.groups, self.nodes = coordinator, grid, groups, list(nodes)
         self.rank = groups.coords.rank
         self.node = self.nodes[self.rank]
-        self._holder: Any = None
+        self._holders: dict[str, Any] = {}
+
+    def holder_on(self, node: str) -> Any:
+        """The holder on `node` (asked of the coordinator once)."""
+        import ray
+
+        if node not in self._holders:
+            self._holders[node] = ray.get(self.coordinator.holder_for.remote(node))
+        return self._holders[node]
 
     @property
     def holder(self) -> Any:
-        """This node's holder."""
-        import ray
-
-        if self._holder is None:
-            self._holder = ray.get(self.coordinator.holder_for.remote(self.node))
-        return self._holder
+        """This host's holder."""
+        return self.holder_on(self.node)
 
 
 class Snapshotter(_WorkerSide):
-    """A worker's in-memory snapshots: every `every_syncs` replica syncs (every K steps when
-    M = 1; 0: none) it hands its share of the trainer's state (`Trainer.snapshot`) to its node's
-    holder. It owns that cadence: the loop calls `maybe_snapshot(step)` after every step.
-    `say(line)`, if given, tells the job's log why a node's holder keeps no slot files (it was
-    refused its directory: `SnapshotHolderImpl`), from one worker per node."""
+    """A worker's in-memory snapshots: at committed replica syncs where `cadence` says so, while its
+    sharding group is the one that writes (`writes()`: the live group of quorum rank 0), it hands
+    its share of the trainer's state (`Trainer.snapshot`) to its host's holder, which forwards a
+    copy to the holder that keeps this host's (`ring_keeper`). The group's workers decide alike:
+    `wants(step)` is this worker's vote at a sync step (the replica component agrees the votes over
+    the group, `Replicas.agree`), and `maybe_snapshot(step)` (after every committed step) acts on
+    the agreed one. A measured cadence takes the next snapshot when the syncs since the last are at
+    least cost / (step_fraction x the sync interval's seconds), never fewer than 1 nor more than
+    `max_syncs`. `say(line)`, if given, tells the job's log why a host's holder keeps no slot files,
+    from one worker per host; `pin(step)`, if given, names each snapshot's step a restore point
+    (`JobControl.pin`), from the group's shard rank 0."""
 
     def __init__(self, trainer: "Trainer", coordinator: Any, grid: "Grid", groups: "GridGroups",
-                 nodes: Sequence[str], attempt: int, every_syncs: int, say: Any = None) -> None:
-        super().__init__(coordinator, grid, groups, nodes, attempt)
-        self.trainer, self.every_syncs, self.say = trainer, every_syncs, say
+                 nodes: Sequence[str], cadence: SnapshotCadence, writes: Any = None, agreed: Any = None,
+                 say: Any = None, pin: Any = None) -> None:
+        super().__init__(coordinator, grid, groups, nodes)
+        self.trainer, self.cadence, self.say, self.pin = trainer, cadence, say, pin
+        self.writes = writes or (lambda: True)
+        self.agreed = agreed or (lambda name: True)  # the group's agreed vote at this step's commit
+        self.keeper_node = ring_keeper(self.nodes, self.node)
         self._inflight: list[Any] = []
-        self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it), kept mapped
-        self.snapshots = 0
+        self._copies: list[tuple[HostCopy, Any]] = []  # device copies issued, and what to commit when they land
+        self._maps: dict[str, Any] = {}  # slot file path -> (mmap, uint8 tensor over it, undo of its pinning)
+        self._slots: dict[str, list[str]] = {}  # key -> its two slot files (`prepare`)
+        self._next_slot: dict[str, int] = {}  # key -> the slot its next snapshot writes (asked once, then alternating)
+        self.snapshots, self.last_step = 0, None
+        self.seconds: list[float] = []  # each snapshot's time on this worker's step path
+        self._sync_at: float | None = None
+        self._sync_s: float | None = None  # the newest sync interval's seconds (the cadence's measure)
         if self.enabled:
             self.prepare()  # shared-memory slots for this worker's snapshots, before any step
 
     @property
     def enabled(self) -> bool:
-        return self.coordinator is not None and self.every_syncs > 0
+        return self.coordinator is not None and self.cadence.on
 
-    def due(self, step: int) -> bool:
-        from recgrid.engine.sync import sync_step
-
+    # ---- the cadence ------------------------------------------------------------------------------
+    def wants(self, step: int) -> bool:
+        """This worker's vote, at sync step `step`, for a snapshot there."""
+        now = time.perf_counter()
+        if self._sync_at is not None:
+            self._sync_s = now - self._sync_at
+        self._sync_at = now
+        if not self.enabled or not self.writes():
+            return False
         K = self.trainer.config.sync_every
-        return self.enabled and sync_step(step, K) and (step // K) % self.every_syncs == 0
+        if not self.cadence.measured:
+            return (step // K) % self.cadence.every_syncs == 0
+        if self.last_step is None or not self.seconds or not self._sync_s:
+            return self._sync_s is not None  # the first, once a sync interval is measured
+        return (step - self.last_step) // K >= self.syncs_apart()
+
+    def syncs_apart(self) -> int:
+        """Syncs between two snapshots of a measured cadence: the newest snapshot's cost over
+        `step_fraction` of the newest sync interval, in 1 .. `max_syncs`."""
+        c = self.cadence
+        need = math.ceil(self.seconds[-1] / (c.step_fraction * max(self._sync_s or 0.0, 1e-9)))
+        return max(1, min(c.max_syncs, need))
 
     def maybe_snapshot(self, step: int) -> None:
-        if self.due(step):
+        self._land()
+        if self.enabled and sync_step(step, self.trainer.config.sync_every) and self.agreed("snapshot"):
+            t0 = time.perf_counter()
             with self.trainer.metrics.timer.phase("snapshot"):
                 self.snapshot()
+            self.seconds.append(time.perf_counter() - t0)
+            del self.seconds[:-8]
+            self.last_step = step
+            if self.pin is not None and self.groups.coords.shard_rank == 0:
+                self.pin(step)
 
     # ---- what this worker sends ---------------------------------------------------------------------
     def sends_shard(self) -> bool:
-        """Whether this worker hands its node's holder the copy of its shard position: the first
-        sharding group with that position on this node does."""
+        """Whether this worker hands its host's holder the copy of its shard position: the first
+        sharding group of the grid with that position on this host does."""
         g, c = self.grid, self.groups.coords
         here = [i for i in range(g.num_groups) if self.nodes[g.global_rank(i, c.shard_rank)] == self.node]
         return c.sharding_group == min(here)
 
     def sends_job_state(self) -> bool:
-        """Whether this worker hands its node's holder the dense part and the progress: the lowest rank on the node."""
+        """Whether this worker hands its host's holder the dense part and the progress: the lowest rank on the host."""
         return self.rank == min(r for r in range(self.grid.world_size) if self.nodes[r] == self.node)
 
+    def keeper(self) -> Any:
+        """The holder that keeps a copy of this host's (None: one host, nowhere else to keep it)."""
+        return None if self.keeper_node is None else self.holder_on(self.keeper_node)
+
     def snapshot(self) -> None:
-        """Hand this worker's share of the state to its node's holder (collective: every worker of
-        the grid calls it at the same step). Returns once the copies are in the object store;
-        the holder copies them out while training goes on."""
+        """Hand this worker's share of the state to its host's holder (every worker of the writing
+        group calls it at the same step). Returns once the copies are issued: the shard's into its
+        slot file (on CUDA without waiting for the device), the rest into the object store; the
+        holders check and forward them while training goes on."""
         import ray
 
-        snap = self.trainer.snapshot(copy=False)  # views: copied below, before the next step
+        snap = self.trainer.snapshot(copy=False)  # views: copied below, before the next step changes them
         step = snap.progress["step"]
         self._settle()
+        keeper = self.keeper()
         # every worker's own NE window (a few KiB; the restore sums them)
-        payload: dict[str, Any] = {f"window/{self.rank}": snap.window.numpy()}
+        payload: dict[str, Any] = {f"window/{self.rank}": snap.window.cpu().numpy()}
         c = self.groups.coords
-        position = snap.shard
         if self.sends_shard():
             key = f"shard/{c.shard_rank}"
-            if not self._write_slot(step, key, position):
-                payload[key] = [array_view(t) for t in position]
+            if not self._write_slot(step, key, snap.shard, keeper):
+                payload[key] = [array_view(t) for t in snap.shard]
         if self.sends_job_state():
             payload["dense"] = {k: v.numpy() for k, v in snap.dense.items()}
             payload["progress"] = {"progress": snap.progress}
         # one copy into the object store, now (the step may change the tensors next), and one call
-        self._inflight.append(self.holder.put_many.remote(step, ray.put(payload)))
+        self._inflight.append(self.holder.put_many.remote(step, ray.put(payload), keeper))
         self.snapshots += 1
 
     def prepare(self) -> None:
-        """Before training: have the node's holder create this worker's two slot files (when it
+        """Before training: have the host's holder create this worker's two slot files (when it
         sends its shard position's copy) and map them here, so snapshots only copy."""
         import ray
 
-        if self.say is not None and self.sends_job_state():  # one worker per node says why its holder has no files
+        if self.say is not None and self.sends_job_state():  # one worker per host says why its holder has no files
             problem = ray.get(self.holder.why_no_shared_memory.remote())
             if problem:
                 self.say(problem)
         if not self.sends_shard():
             return
+        key = f"shard/{self.groups.coords.shard_rank}"
         _, nbytes = shard_layout(self.trainer.shard_tensors())
-        for path in ray.get(self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}", nbytes)) or []:
-            self._map(path, nbytes)
+        paths = ray.get(self.holder.allocate.remote(key, nbytes))
+        if paths:
+            self._slots[key] = paths
+            for path in paths:
+                self._map(path, nbytes)
 
     def _map(self, path: str, nbytes: int) -> "torch.Tensor":
-        """The slot file at `path` as a writable uint8 tensor (mapped once per attempt)."""
+        """The slot file at `path` as a writable uint8 tensor (mapped once per attempt, page-locked
+        on CUDA so the copy into it does not wait for the device)."""
         if path not in self._maps or self._maps[path][1].numel() != nbytes:
-            self._maps[path] = map_slot(path, nbytes)
+            mm, buf = map_slot(path, nbytes)
+            self._maps[path] = (mm, buf, pin_host_memory(buf) if self.trainer.device.type == "cuda" else None)
         return self._maps[path][1]
 
-    def _write_slot(self, step: int, key: str, tensors: Sequence["torch.Tensor"]) -> bool:
-        """Copy `tensors` into a slot file the node's holder reserves for them, and commit it.
-        False: the holder has no room in shared memory (the caller uses the object store)."""
+    def _write_slot(self, step: int, key: str, tensors: Sequence["torch.Tensor"], keeper: Any) -> bool:
+        """Copy `tensors` into the slot file the host's holder gives them (asked once; then the two
+        slots alternate), and commit it once the copy has landed. False: the holder has no room in
+        shared memory (the caller uses the object store)."""
         import ray
 
         layout, nbytes = shard_layout(tensors)
-        slot = ray.get(self.holder.reserve.remote(step, key, nbytes))
-        if slot is None:
+        if key not in self._slots:
             return False
-        write_into(self._map(slot["path"], nbytes), tensors, layout)
-        self._inflight.append(self.holder.commit.remote(step, key, slot, layout))
+        if key not in self._next_slot:  # the one slot no kept generation uses
+            held = ray.get(self.holder.reserve.remote(step, key, nbytes))
+            if held is None:
+                return False
+            self._next_slot[key] = held["slot"]
+        slot = self._next_slot[key]
+        path = self._slots[key][slot]
+        copier = HostCopy(self.trainer.device)
+        write_into(self._map(path, nbytes), tensors, layout, copier)
+        self._copies.append((copier.issued(), (step, key, {"path": path, "slot": slot}, layout, keeper)))
+        self._next_slot[key] = 1 - slot
+        self._land()
         return True
+
+    def _land(self, wait: bool = False) -> None:
+        """Commit the slot files whose copies have landed (all of them, waiting, with `wait`)."""
+        while self._copies and (wait or self._copies[0][0].done()):
+            copier, (step, key, slot, layout, keeper) = self._copies.pop(0)
+            copier.wait()
+            self._inflight.append(self.holder.commit.remote(step, key, slot, layout, keeper))
 
     def _settle(self) -> None:
         """Wait for the previous snapshot's copies (memory stays bounded by two generations)."""
         import ray
 
+        self._land(wait=True)
         if self._inflight:
             ray.get(self._inflight)
             self._inflight = []
 
     def close(self) -> None:
         self._settle()
+        for _, _, undo in self._maps.values():
+            if undo is not None:
+                undo()
 
 
 class HolderRestore(_WorkerSide):
-    """A worker's side of a restore from the holders: a sharding group rebuilt with no live peer
-    group to heal from (M = 1) loads the newest complete generation they hold (`load`, its plan
-    from `RecoveryCoordinatorImpl.restore_plan`) and checks it bit for bit (`verify`);
+    """A worker's side of a restore from the holders: a sharding group that found no live peer
+    group ahead of step 0 loads the newest complete generation they hold (`load`, its plan from
+    `RecoveryCoordinatorImpl.restore_plan`) and checks it bit for bit (`verify`);
     `train.recovery.storage.StorageFallback` decides when."""
 
     def load(self, trainer: "Trainer", plan: dict[str, Any]) -> dict[str, Any]:
         """Fetch this worker's shard position, the dense part and the progress from the holders
-        (this node's first) and load them. Returns where the shard came from."""
+        (this host's first) and load them. Returns where the shard came from: the host that held
+        it, the host it was written on, and how it travelled."""
         import ray
         import torch
 
@@ -417,20 +536,21 @@ class HolderRestore(_WorkerSide):
         def fetch(key: str) -> Any:
             nodes = where[key]
             chosen[key] = self.node if self.node in nodes else nodes[0]
-            holder = ray.get(self.coordinator.holder_for.remote(chosen[key]))
+            holder = self.holder_on(chosen[key])
             held = ray.get(holder.get.remote(step, key))
-            if isinstance(held, dict):  # a slot file: mapped here on its node, else sent through the store
+            if isinstance(held, dict):  # a slot file: mapped here on its host, else sent through the store
                 if chosen[key] == self.node:
                     via[key] = "shared memory"
                     return read_slot(held["path"], held["layout"])
                 held = ray.get(holder.fetch.remote(step, key))
             via[key] = "object store"
-            return ray.get(held[0])  # mapped from this node's object store (moved here if it lives elsewhere)
+            return ray.get(held[0])  # mapped from this host's object store (moved here if it lives elsewhere)
 
         key = f"shard/{self.groups.coords.shard_rank}"
         shard, dense, progress = fetch(key), fetch("dense"), fetch("progress")
+        origin = ray.get(self.holder_on(chosen[key]).origin_of.remote(step, key))
         window = None
-        if self.rank == 0:  # the NE window: the sum of every surviving worker's (a metric, not the model)
+        if self.rank == 0:  # the NE window: the sum of every writing worker's (a metric, not the model)
             where.update(plan.get("windows", {}))
             windows = [fetch(k) for k in plan.get("windows", {})]
             window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
@@ -439,19 +559,18 @@ class HolderRestore(_WorkerSide):
         trainer.load_snapshot(Snapshot(shard=[tensor_view(a) for a in shard],
                                        dense={k: tensor_view(v) for k, v in dense.items()},
                                        progress=progress["progress"], window=None), window)
-        return {"key": key, "node": chosen[key], "via": via[key]}
+        return {"key": key, "node": chosen[key], "origin": origin, "via": via[key]}
 
     def verify(self, trainer: "Trainer", step: int, fetched: dict[str, Any]) -> dict[str, Any]:
         """This worker's restored shard checksum beside the one the holder's copy was written with:
         bit for bit or an error."""
         import ray
 
-        holder = ray.get(self.coordinator.holder_for.remote(fetched["node"]))
-        held = ray.get(holder.digest_of.remote(step, fetched["key"]))
+        held = ray.get(self.holder_on(fetched["node"]).digest_of.remote(step, fetched["key"]))
         got = digest([array_view(t) for t in trainer.shard_tensors()])
         if got != held:
             raise RuntimeError(f"{fetched['key']} restored from node {fetched['node']} differs from the copy held "
                                f"there ({got} != {held})")
         return {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": got, "source_digest": held,
-                "from_node": fetched["node"], "same_node": fetched["node"] == self.node, "via": fetched["via"]}
-
+                "from_node": fetched["node"], "written_on": fetched["origin"],
+                "same_node": fetched["node"] == self.node, "via": fetched["via"]}

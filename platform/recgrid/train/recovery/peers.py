@@ -425,19 +425,25 @@ class TorchftReplicas(Replicas):
         # over the sharding group, which also agrees the flags (so its workers commit alike): whether a
         # collective of the round failed on any of them, whether a group waits to join or leaves (any
         # group: the first average carried it), whether the next sync checks a drain
+        # and the group's votes at a sync step (`Replicas.agree`: a snapshot, a checkpoint), summed over the group
         grads = [p.grad for p in params]
+        votes = self._local_votes(step)
+        flags = 3 + len(votes)
         buf = torch.cat([_flatten_dense_tensors(grads).float(),
-                         torch.tensor([float(wants), 0.0, 0.0], device=t.device)])
+                         torch.tensor([float(wants), 0.0, 0.0] + [0.0] * len(votes), device=t.device)])
         if live > 1:
             self.manager.allreduce(buf).wait()
         if average is not None:
             average()
-        buf[-2] = 0.0 if self.manager.errored() is None else 1.0
-        buf[-1] = float(due)
+        buf[-flags + 1] = 0.0 if self.manager.errored() is None else 1.0
+        buf[-flags + 2] = float(due)
+        for i, mine in enumerate(votes.values()):
+            buf[-flags + 3 + i] = float(mine)
         if self.group_size > 1:
             dist.all_reduce(buf)
-        wants, failed, due = buf[-3:].tolist()
-        for g, total in zip(grads, _unflatten_dense_tensors(buf[:-3], grads)):
+        wants, failed, due, *agreed = buf[-flags:].tolist()
+        self._agreed = {name: v > 0 for name, v in zip(votes, agreed)}
+        for g, total in zip(grads, _unflatten_dense_tensors(buf[:-flags], grads)):
             g.copy_(total).div_(self.group_size)
         seconds = average.seconds if average is not None else 0.0
         committed = not failed

@@ -47,6 +47,13 @@ class SnapshotDirRefused(OSError):
     """A snapshot directory path that is not this job's own (a link, another user's, another job's)."""
 
 
+def shm_free() -> int | None:
+    """Free bytes of this machine's shared memory (SHM_BASE), None without one."""
+    if not os.path.isdir(SHM_BASE):
+        return None
+    return shutil.disk_usage(SHM_BASE).free
+
+
 def job_dir(run_id: str) -> str:
     """The directory of job `run_id`'s shard files on a machine (one subdirectory per node's holder)."""
     return os.path.join(SHM_BASE, f"{SNAPSHOT_PREFIX}{run_id}")
@@ -335,14 +342,17 @@ def map_slot(path: str, nbytes: int) -> tuple[mmap.mmap, "torch.Tensor"]:
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def write_into(buf: "torch.Tensor", tensors: Sequence["torch.Tensor"], layout: Sequence[tuple[str, list[int], int]]) -> None:
-    """Copy `tensors` into a mapped slot file `buf` at the offsets of `layout` (`shard_layout`)."""
+def write_into(buf: "torch.Tensor", tensors: Sequence["torch.Tensor"], layout: Sequence[tuple[str, list[int], int]],
+               copier: Any = None) -> None:
+    """Copy `tensors` into a mapped slot file `buf` at the offsets of `layout` (`shard_layout`),
+    through `copier` (`engine.device.HostCopy`: device tensors without waiting) or in place."""
     import torch
 
     with torch.no_grad():
         for t, (_, _, offset) in zip(tensors, layout):
             n = t.numel() * t.element_size()
-            buf[offset:offset + n].view(t.dtype).copy_(t.detach().reshape(-1))
+            dst, src = buf[offset:offset + n].view(t.dtype), t.detach().reshape(-1)
+            copier.copy(dst, src) if copier is not None else dst.copy_(src)
 
 
 def tensor_view(a: np.ndarray) -> "torch.Tensor":
