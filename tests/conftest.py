@@ -21,7 +21,7 @@ _EXIT = {"status": 0}
 # its first Ray Data stream, cost a module 15-20 s). Modules that start a cluster of their own (other
 # shapes, nodes, `ray start`) run before them, but LATE_MODULES after them, and shut theirs down.
 SHARED_CLUSTER_MODULES = ("test_compare.py", "test_data_prepare.py", "test_data_streams.py",
-                          "test_launcher.py", "test_torchft.py")
+                          "test_launcher.py", "test_max_failures.py", "test_torchft.py")
 # Every module that starts Ray (the shared cluster, clusters of nodes of its own, `ray start`, a metrics
 # session). `make test` runs the suite on two pytest-xdist workers: these modules all on one, one after
 # another in the order above (the Ray jobs: the suite's long critical path, two clusters at once would
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """pytest-xdist's scope scheduling with the scopes above: "ray" for every RAY_MODULES test, the
     module otherwise (its fixtures built once). pytest-xdist queues the units with most tests first
-    and hands each worker two at the start: "ray" (93 tests) is second to test_k8s.py (109), so it
+    and hands each worker two at the start: "ray" (96 tests) is second to test_k8s.py (109), so it
     starts at once on the other worker, with test_config.py (38, quick) queued behind it; the rest
     go to whichever worker has fewer than two units waiting, in practice the first.
     (`--dist loadgroup` would need the group in each test's node id, which pytest-xdist 3.8 can no

@@ -1,11 +1,13 @@
-"""Ctrl-C on `recgrid train` (issue 17, acceptance 3), on a machine whose Ray temp directory
-names a local cluster that died.
+"""Ctrl-C (issue 17, acceptance 3) and SIGTERM (issue 50: what `kill`, a pod's deletion or a job
+scheduler sends) on `recgrid train`, on a machine whose Ray temp directory names a local cluster
+that died.
 
-One subprocess: `recgrid train` with a stale `ray_current_cluster` file in its Ray temp directory
-(a dead address) still starts its own local cluster and trains; SIGINT mid-job stops the workers
-at their next sync step, they write a checkpoint there (the job has checkpoints), the final
-evaluation is skipped, the MLflow run ends KILLED saying the step, no process of the job is left,
-and the command exits 130 within 30 s. Its console has neither ANSI codes nor Ray's bookkeeping.
+One subprocess per signal: `recgrid train` with a stale `ray_current_cluster` file in its Ray temp
+directory (a dead address) still starts its own local cluster and trains; the signal mid-job stops
+the workers at their next sync step, they write a checkpoint there (the job has checkpoints), the
+final evaluation is skipped, the MLflow run ends KILLED saying the step and the signal, no process
+of the job is left, and the command exits 130 within 30 s. Its console has neither ANSI codes nor
+Ray's bookkeeping.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 K = 5
@@ -41,7 +45,8 @@ def _job_processes(marker: str) -> list[int]:
     return pids
 
 
-def test_sigint_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path, sig):
     from mlflow.tracking import MlflowClient
 
     # Ray's temp directory, short (its sockets live there) and the job's own: the stale file
@@ -83,7 +88,7 @@ def test_sigint_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path):
         assert started.is_set(), f"training never showed progress (exit {proc.poll()}):\n" + "\n".join(lines)
         seen = max(int(m.group(1)) for m in map(PROGRESS.match, lines) if m)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=30)
         took = time.monotonic() - t0
         reader.join(5)
@@ -99,7 +104,7 @@ def test_sigint_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path):
         run = MlflowClient(tracking_uri=uri).search_runs(
             [MlflowClient(tracking_uri=uri).get_experiment_by_name("test-interrupt").experiment_id])[0]
         assert run.info.status == "KILLED"
-        m = re.match(r"interrupted at step (\d+) \(SIGINT\)", run.data.tags["interrupted"])
+        m = re.match(rf"interrupted at step (\d+) \({sig.name}\)", run.data.tags["interrupted"])
         assert m, run.data.tags
         step = int(m.group(1))
         assert step >= seen and step % K == 0  # at the next sync step
