@@ -516,8 +516,8 @@ def format_goodput(good: Sequence[GoodputRow]) -> list[str]:
     num = lambda v, f="{:.4f}": "-" if v is None else f.format(v)  # noqa: E731
     ms = lambda v: num(None if v is None else v * 1e3, "{:.2f}")  # noqa: E731
     cols = " ".join(f"{GOODPUT_LABELS[k]:>10}" for k in RECOVERIES)
-    lines = [f"goodput under host failures (2-D, M = T/L, each layout at its own K): goodput = useful training time / "
-             f"wall time; work = goodput x the layout's failure-free step speed over the faster layout's",
+    lines = ["goodput under host failures (2-D, M = T/L, each layout at its own K): goodput = useful training time / "
+             "wall time; work = goodput x the layout's failure-free step speed over the faster layout's",
              f"{'GPUs':>6} {'hosts':>5} {'M':>4} {'fail/day':>8} {'HL ms':>7} {'IH ms':>7}  goodput: {cols}  "
              f"work: {cols}  {'best':<10} {'IH wins at':>10} {'snap pays <':>11}"]
     for g in good:
