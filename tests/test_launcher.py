@@ -284,35 +284,40 @@ def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
 
 FRESH_PROCESS_EVAL = """
 import contextlib, io, json, sys
-import mlflow.pytorch
+import mlflow.pyfunc
 import torch.distributed as dist
-model = mlflow.pytorch.load_model(sys.argv[1])
-alone = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "recgrid.train", "recgrid.launch")))
+served = mlflow.pyfunc.load_model(sys.argv[1])
+served_alone = sorted(m for m in sys.modules if m.split(".")[0] in ("recgrid", "ray", "torchrec"))
+from recgrid.launch.model import load_model
+model = load_model(sys.argv[1])
+alone = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "recgrid.train.trainer", "recgrid.train.worker")))
 from recgrid.train.unshard import evaluate_files, model_spec
 mine = evaluate_files(model, sys.argv[2:], model_spec(model))
 from recgrid.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     main(["eval", sys.argv[1], *[a for g in sys.argv[2:] for a in ("--data", g)], "--json"])
-print(json.dumps({"alone": alone, "dist": dist.is_initialized(), "mine": mine, "cli": json.loads(out.getvalue())}))
+print(json.dumps({"served_alone": served_alone, "alone": alone, "dist": dist.is_initialized(), "mine": mine,
+                  "cli": json.loads(out.getvalue())}))
 """
 
 
 def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs, tmp_path):
     """Issue 30, acceptance 1, 2 and 3, on the M=2 job (T=4, QR with a head cache, logging to the real
     `mlflow server`): its model is an MLflow model of the run, logged at the final step with
-    `eval/ne` linked. A fresh Python process loads it by its URI before anything of Ray, torch
-    distributed or recgrid's trainer is imported, and reproduces the job's final eval NE on the
-    eval rows (1e-5); `recgrid eval` on the same rows prints the same. `recgrid export` of the
-    job's final storage checkpoint gives the same model, tensor for tensor. The run's Datasets
+    `eval/ne` linked. A fresh Python process loads its served form by its URI with MLflow alone
+    (no recgrid, Ray or TorchRec imported: issue 47), then reads it as data with recgrid (no Ray,
+    torch distributed or trainer) and reproduces the job's final eval NE on the eval rows (1e-5);
+    `recgrid eval` on the same rows prints the same. `recgrid export` of the job's final storage
+    checkpoint gives the same model, tensor for tensor. The run's Datasets
     hold the training and eval inputs with their rows and digests."""
     import json
     import re
 
-    import mlflow.pytorch
     from mlflow.tracking import MlflowClient
 
     from recgrid.cli import main
+    from recgrid.launch.model import load_model, read_model_dir
 
     r, cfg = two_runs[1], M2["config"]
     found = re.search(r"model: logged as (models:/\S+) \(step (\d+), eval NE", M2["printed"])
@@ -329,7 +334,7 @@ def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs,
                                text=True, timeout=300, env=os.environ.copy())
         assert fresh.returncode == 0, fresh.stderr[-3000:]
         got = json.loads(fresh.stdout.strip().splitlines()[-1])
-        model = mlflow.pytorch.load_model(uri)
+        model = load_model(uri)
         out = tmp_path / "exported"
         assert main(["export", checkpoint, "--config", str(M2["config_path"]), "--out", str(out)]) == 0
     finally:
@@ -338,7 +343,8 @@ def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs,
     ne = run.data.metrics["eval/ne"]
     assert logged.source_run_id == r.run_id and step == cfg.train.max_steps
     assert {m.key: m.value for m in logged.metrics if m.step == step}["eval/ne"] == ne  # linked to the model
-    assert got["alone"] == [] and not got["dist"], got  # loading needed no Ray, no process group, no trainer
+    assert got["served_alone"] == [], got  # served: MLflow and torch only
+    assert got["alone"] == [] and not got["dist"], got  # read by recgrid: no Ray, no process group, no trainer
     assert abs(got["mine"]["ne"] - ne) <= 1e-5 and got["cli"] == got["mine"], (got, ne)
     assert got["mine"]["rows"] == run.data.metrics["eval/examples"] == cfg.data.synth_eval_rows
     # acceptance 3: the run's Datasets, by context, with their rows and a digest of the file list
@@ -347,7 +353,7 @@ def test_m2_jobs_model_leaves_the_platform_and_gives_its_eval_ne_alone(two_runs,
     rows = {c: json.loads(d.profile)["num_rows"] for c, d in inputs.items()}
     assert rows == {"training": cfg.data.synth_rows, "eval": cfg.data.synth_eval_rows}, rows
     assert all(re.fullmatch(r"[0-9a-f]{16}", d.digest) for d in inputs.values())
-    exported = mlflow.pytorch.load_model(str(out)).state_dict()
+    exported = read_model_dir(str(out)).state_dict()
     assert exported.keys() == model.state_dict().keys()
     assert all(torch_equal(v, model.state_dict()[k]) for k, v in exported.items())
 

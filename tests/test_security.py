@@ -212,3 +212,128 @@ def test_a_tensor_stored_in_another_dtype_than_declared_is_refused_not_cast(tmp_
            "of shape [4]" in str(refused.value), refused.value
     assert str(refused.value).startswith(directory) and not torch.isinf(target).any()
     _reads_back(tmp_path)
+
+
+# ---- models `recgrid eval` and `recgrid export` read (issue 47) --------------------------------------
+GOOD_LINE = "\t".join(["1"] + ["3"] * 13 + ["0a1b2c3d"] * 26)
+
+
+@pytest.fixture(scope="module")
+def recgrid_model(tmp_path_factory):
+    """A model directory as recgrid writes it (a tiny spec, untrained) and a raw file to evaluate on."""
+    from recgrid.config import load_config
+    from recgrid.launch.model import save_model_dir
+    from recgrid.train.unshard import build_unsharded
+
+    tmp = tmp_path_factory.mktemp("model")
+    config = load_config(None, ["data.spec=tiny", "data.train=none/*.parquet"], check_paths=False)
+    save_model_dir(build_unsharded(config, None, {"step": 1}), str(tmp / "model"))
+    (tmp / "rows.tsv").write_text(GOOD_LINE + "\n")
+    return tmp / "model", str(tmp / "rows.tsv")
+
+
+def _copy(model, tmp_path):
+    import shutil
+
+    shutil.copytree(model, tmp_path / "planted")
+    return tmp_path / "planted"
+
+
+def _pytorch_model(directory, code_paths=None) -> str:
+    """A model in MLflow's pytorch flavor (pickled), the form `recgrid eval` read before issue 47."""
+    import mlflow.pytorch
+
+    mlflow.pytorch.save_model(torch.nn.Linear(2, 1), str(directory), serialization_format="pickle",
+                              code_paths=code_paths)
+    return str(directory)
+
+
+def _refused_by_eval_and_export(source, data, tmp_path, capsys, file, mark) -> None:
+    """`recgrid eval SOURCE` and `recgrid export SOURCE` both stop (exit 2) with a sentence naming
+    `file` (a path, or its tail), and nothing the model names ran (no `mark`)."""
+    from recgrid.cli import main
+
+    capsys.readouterr()
+    for verb, args in (("eval", ["--data", data]), ("export", ["--out", str(tmp_path / "out")])):
+        code = main([verb, str(source), *args])
+        said = capsys.readouterr().err.strip().splitlines()[-1]  # after MLflow's own log lines, if any
+        assert not os.path.exists(mark), f"recgrid {verb}: the planted model ran code"
+        assert code == 2 and said.startswith(f"recgrid {verb}: ") and str(file) in said, (verb, code, said)
+        assert "refusing to read" in said, said
+    assert not (tmp_path / "out").exists()
+
+
+class _Runs:
+    """What a planted pickle unpickles into: a call that leaves a mark."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (open, (self.mark, "w"))
+
+
+def test_weights_with_a_reduce_are_refused_and_run_nothing(recgrid_model, tmp_path, capsys):
+    model, data = recgrid_model
+    planted, mark = _copy(model, tmp_path), str(tmp_path / "ran")
+    torch.save({"model.over_arch.model.1.bias": _Runs(mark)}, planted / "artifacts" / "weights.pt")
+    _refused_by_eval_and_export(planted, data, tmp_path, capsys, planted / "artifacts" / "weights.pt", mark)
+
+
+def _rows(tmp_path) -> str:
+    (tmp_path / "rows.tsv").write_text(GOOD_LINE + "\n")
+    return str(tmp_path / "rows.tsv")
+
+
+def test_a_pickled_pytorch_model_is_refused_and_runs_nothing(tmp_path, capsys):
+    """MLflow's pytorch flavor, `data/model.pth` holding a `__reduce__`: `mlflow.pytorch.load_model`
+    (what `recgrid eval` called) runs it; recgrid now refuses the file before anything reads it."""
+    data = _rows(tmp_path)
+    planted, mark = _pytorch_model(tmp_path / "planted"), str(tmp_path / "ran")
+    torch.save(_Runs(mark), os.path.join(planted, "data", "model.pth"))
+    _refused_by_eval_and_export(planted, data, tmp_path, capsys, "/data/", mark)
+
+
+def test_a_logged_model_naming_a_code_module_as_its_pickle_module_is_refused_and_imports_nothing(
+        tmp_path, capsys, monkeypatch):
+    """The reviewed attack, through the tracking store as a job would plant it: a logged model whose
+    `data/pickle_module_info.txt` names a module of its own `code` folder. MLflow imports that
+    module before its pickle check, so MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false did not stop it."""
+    import mlflow
+
+    data, mark = _rows(tmp_path), str(tmp_path / "ran")
+    (tmp_path / "planted_mod.py").write_text(f"open({mark!r}, 'w').close()\n")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    mlflow.set_tracking_uri(store)
+    with mlflow.start_run() as run:
+        directory = _pytorch_model(tmp_path / "made", code_paths=[str(tmp_path / "planted_mod.py")])
+        with open(os.path.join(directory, "data", "pickle_module_info.txt"), "w") as f:
+            f.write("planted_mod")
+        mlflow.log_artifacts(directory, "model")
+    _refused_by_eval_and_export(f"runs:/{run.info.run_id}/model", data, tmp_path, capsys, "planted_mod", mark)
+
+
+def test_a_recgrid_model_carrying_a_code_module_more_is_refused(recgrid_model, tmp_path, capsys):
+    model, data = recgrid_model
+    planted, mark = _copy(model, tmp_path), str(tmp_path / "ran")
+    (planted / "code" / "helper.py").write_text(f"open({mark!r}, 'w').close()\n")
+    _refused_by_eval_and_export(planted, data, tmp_path, capsys, planted / "code" / "helper.py", mark)
+
+
+def test_served_code_other_than_recgrids_runs_nowhere_and_is_named(recgrid_model, tmp_path, capsys):
+    """recgrid never runs a model's served code (it builds the model from the weights and architecture
+    with its own): a changed served.py is named in a note, and `recgrid export` writes this recgrid's."""
+    from recgrid.cli import main
+    from recgrid.launch.model import SERVED_CODE
+
+    model, data = recgrid_model
+    planted, mark = _copy(model, tmp_path), str(tmp_path / "ran")
+    served = planted / "served.py"
+    served.write_text(served.read_text() + f"\nopen({mark!r}, 'w').close()\n")
+    capsys.readouterr()
+    assert main(["eval", str(planted), "--data", data]) == 0
+    assert f"note: {served} is not this recgrid's served code" in capsys.readouterr().err
+    assert main(["export", str(planted), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "served.py").read_bytes() == SERVED_CODE.read_bytes() and not os.path.exists(mark)

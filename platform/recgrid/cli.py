@@ -253,11 +253,21 @@ def _add_towers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="recgrid.launch.towers:run_cli")
 
 
+# what `recgrid export` and `recgrid eval` trust in what they read (launch/model.py)
+READ_AS_DATA = ("A model is read as data: its weights with torch's weights-only loader, its architecture as JSON, "
+                "the model built by recgrid's own code; nothing in it is imported, unpickled or run, and a "
+                "model holding anything else (a pickle, a pickle_module_info.txt, a code module) is refused, "
+                "naming the file. A storage checkpoint is read with the checkpoint reader that admits only DCP's "
+                "metadata and tensors.")
+
+
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="a job's model, unsharded, as an MLflow model directory (from a storage "
-                                      "checkpoint or a run)")
+                                      "checkpoint or a run)",
+                       description="Write a job's model as a fresh MLflow model directory (0700, files 0600) "
+                                   "that `mlflow models serve` serves without recgrid. " + READ_AS_DATA)
     p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a storage checkpoint directory, a run id (its logged "
-                                                               "model) or an MLflow model URI")
+                                                               "model), an MLflow model URI or a model directory")
     p.add_argument("--out", required=True, help="the directory to write (new or empty)")
     p.add_argument("--config", default=None, help="a checkpoint's job config YAML (its spec, model and compression)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
@@ -266,7 +276,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="NE, AUC and rows of a logged model or a checkpoint on data files")
+    p = sub.add_parser("eval", help="NE, AUC and rows of a logged model or a checkpoint on data files",
+                       description="NE, AUC and rows of a model on every row of the data files. " + READ_AS_DATA)
     p.add_argument("model", metavar="MODEL_URI_OR_CHECKPOINT",
                    help="an MLflow model URI (models:/ID, runs:/RUN/model), a model directory, a run id, or a "
                         "storage checkpoint (with --config)")
@@ -275,6 +286,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: as `train`)")
     p.add_argument("--json", action="store_true", help="print one JSON object: ne, auc, rows")
+    p.add_argument("--predictions", default=None, metavar="FILE",
+                   help="also write each row's click probability to FILE, one a line, the files' rows in order")
     p.set_defaults(handler="recgrid.launch.model:run_eval")
 
 

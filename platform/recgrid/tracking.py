@@ -170,13 +170,40 @@ def _installed(name: str) -> tuple[str, str] | None:
     return None
 
 
-MODEL_STACK = ("torch", "torchrec", "fbgemm_gpu")  # what loading a job's model needs (`engine.unsharded`)
+def private_directory(path: Path) -> None:
+    """`path` made (or kept) a directory only this user may enter (0700): MLflow writes the files under
+    it with the umask's modes."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
-def installed_requirements(names: Sequence[str]) -> list[str]:
-    """`dist==version` of each of `names` (keys of STACK) as installed here, under the distribution
-    name that is (fbgemm-gpu or fbgemm-gpu-cpu, ...)."""
-    return [f"{d}=={v}" for d, v in filter(None, map(_installed, names))]
+def private_tree(path: str | Path) -> None:
+    """`path` and every directory under it 0700, every file 0600, as checkpoints are (model weights and
+    run artifacts on a shared host); links are left alone, never followed."""
+    os.chmod(path, 0o700)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            entry = os.path.join(root, name)
+            if not os.path.islink(entry):
+                os.chmod(entry, 0o700 if name in dirs else 0o600)
+
+
+def private_artifacts(artifact_uri: str | None, root_uri: str | None = None) -> None:
+    """The local artifact directory `artifact_uri` (a run's, a logged model's) `private_tree`d, and the
+    directories between it and the store's artifact root `root_uri` made 0700; an artifact store
+    elsewhere (a tracking server's) keeps its own modes."""
+    from urllib.parse import unquote, urlsplit
+
+    if not artifact_uri or not artifact_uri.startswith("file://"):
+        return
+    path = Path(unquote(urlsplit(artifact_uri).path))
+    if not path.is_dir():
+        return
+    private_tree(path)
+    root = Path(unquote(urlsplit(root_uri).path)) if root_uri and root_uri.startswith("file://") else None
+    while root is not None and root in path.parents:
+        path = path.parent
+        os.chmod(path, 0o700)
 
 
 def _cut(text: str, limit: int) -> str:
@@ -206,6 +233,7 @@ class Tracker:
         self.artifact_location: str | None = (db.parent / ARTIFACTS_DIRNAME).resolve().as_uri() if db else None
         if db:
             db.parent.mkdir(parents=True, exist_ok=True)
+            private_directory(db.parent / ARTIFACTS_DIRNAME)  # what runs store: only this user may enter
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._params: dict[str, str] = {}
@@ -376,38 +404,37 @@ class Tracker:
                                                  for context, dataset in out.items()])
         return out
 
-    def log_model(self, model: Any, *, step: int, input_example: Any, signature: Any,
-                  register_as: str | None = None, params: Mapping[str, Any] | None = None) -> Any:
-        """Log `model` (a torch module, pickled) as an MLflow 3 logged model of the run, named
-        "model", at `step` (MLflow links the run's metrics of that step to it: the final
-        evaluation's), with its signature, input example and requirements, and, with
-        `register_as`, as a new version of that registered model. Returns MLflow's `ModelInfo`
-        (`model_id`, `model_uri`, `registered_model_version`)."""
+    def log_model(self, pyfunc: Mapping[str, Any], *, step: int, register_as: str | None = None,
+                  params: Mapping[str, Any] | None = None) -> Any:
+        """Log an MLflow pyfunc model (`pyfunc`: `mlflow.pyfunc.log_model`'s arguments that make it: a
+        model from code, its artifacts, code paths, signature, input example and requirements) as an
+        MLflow 3 logged model of the run, named "model", at `step` (MLflow links the run's metrics of
+        that step to it: the final evaluation's), and, with `register_as`, as a new version of that
+        registered model. Written 0600 in 0700 directories where the artifacts are local. Returns
+        MLflow's `ModelInfo` (`model_id`, `model_uri`, `registered_model_version`)."""
         import mlflow
-        import mlflow.pytorch
+        import mlflow.pyfunc
         from mlflow.entities import LoggedModelStatus
+        from mlflow.models import Model
 
         run_id = self._require_run()
         mlflow.set_tracking_uri(self.tracking_uri)
-        # what loading it needs (torch and TorchRec: `engine.unsharded`), named here rather than
-        # inferred (MLflow would load the model in a subprocess to watch its imports)
-        requirements = installed_requirements(MODEL_STACK)
-        # pickled (MLflow's "pt2" would trace forward with torch.export, which a KeyedJaggedTensor input defeats)
         # made here, in the run's experiment (MLflow's own call would put it in the process's current one)
         logged = self.client.create_logged_model(self.experiment_id or self.client.get_run(run_id).info.experiment_id,
                                                  name="model", source_run_id=run_id,
-                                                 params={k: str(v) for k, v in (params or {}).items()} or None)
-        info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=input_example,
-                                        registered_model_name=register_as, step=int(step), run_id=run_id,
-                                        model_id=logged.model_id, pip_requirements=requirements,
-                                        serialization_format="pickle")
+                                                 params={k: redact_uri(str(v)) for k, v in (params or {}).items()} or None)
+        # Model.log, which mlflow.pyfunc.log_model calls, takes the run (log_model only the active one)
+        info = Model.log(artifact_path=None, name="model", flavor=mlflow.pyfunc, registered_model_name=register_as, step=int(step),
+                         run_id=run_id, model_id=logged.model_id, **pyfunc)
         if self.client.get_logged_model(logged.model_id).status != LoggedModelStatus.READY:
             self.client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+        private_artifacts(self.client.get_logged_model(logged.model_id).artifact_location, self.artifact_location)
         return info
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store `text` as an artifact of the run (e.g. the summary table, the resolved config)."""
         self.client.log_text(self._require_run(), text, artifact_file)
+        private_artifacts(self.client.get_run(self._require_run()).info.artifact_uri, self.artifact_location)
 
     def finish(self) -> None:
         """Mark the run FINISHED (once; later calls do nothing)."""

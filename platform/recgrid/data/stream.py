@@ -26,7 +26,7 @@ is measured against, and a file-free source for engine tests.
 
 Multi-hot (spec.multi_hot): each id x of feature f becomes a bag of spec.bag_sizes[f] ids,
 x first, then (x + offset) % rows with offsets from a seeded per-feature table indexed by
-x % 2048, so the same id always gets the same bag.
+x % 2048, so the same id always gets the same bag (`data.transforms.expand_bags`).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from recgrid.data.criteo import (
     iter_line_chunks, parquet_file, read_raw, read_row_group, sniff_format,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec
+from recgrid.data.transforms import bag_offsets, expand_bags
 from recgrid.data.units import DataCursor, EpochPlan, Inputs, Unit, even_sizes, split_rows, take_rows
 
 if TYPE_CHECKING:  # torch, torchrec and ray are heavy; import them where they are used
     import ray.data
     from torchrec.datasets.utils import Batch
 
-_MULTI_HOT_TABLE = 2048  # offset rows per feature (a power of two: x % 2048 is x & 2047)
 DEFAULT_NUM_CPUS_PER_TASK = 0.25  # read tasks must fit next to the training workers on a small box
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_ROWS_PER_TASK = 32_768  # rows a read task reads and collates: per-task and per-block costs amortised
@@ -143,29 +143,9 @@ def _read_files(batch: Mapping[str, np.ndarray], spec: DatasetSpec) -> Iterator[
 
 
 @functools.lru_cache(maxsize=8)
-def _multi_hot_offsets(
-    table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int
-) -> tuple[np.ndarray | None, ...]:
-    """Per feature: the [2048, bag - 1] offsets of a bag's other ids (None for bags of one)."""
-    out = []
-    for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes)):
-        if bag == 1:
-            out.append(None)
-            continue
-        rng = np.random.default_rng([seed, f])
-        # offsets in [1, rows): the other ids of a bag differ from the id itself (if rows > 1)
-        out.append(rng.integers(1, rows, (_MULTI_HOT_TABLE, bag - 1)) if rows > 1
-                   else np.zeros((_MULTI_HOT_TABLE, bag - 1), np.int64))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=8)
 def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int) -> tuple[np.ndarray | None, ...]:
-    """Per feature: [2048, bag] uint32 offsets of a whole bag (column 0 is 0: the id itself), so a
-    bag is one row gathered (None for bags of one)."""
-    return tuple(None if off is None else np.concatenate([np.zeros((_MULTI_HOT_TABLE, 1), np.uint32),
-                                                          off.astype(np.uint32)], axis=1)
-                 for off in _multi_hot_offsets(table_rows, bag_sizes, seed))
+    """Per feature: [2048, bag] uint32 offsets of a whole bag (`transforms.bag_offsets`; None for bags of one)."""
+    return tuple(bag_offsets(rows, bag, seed, f) for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes)))
 
 
 def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size: int,
@@ -203,8 +183,7 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     bags = spec.bag_sizes
     if spec.multi_hot:
         # per feature, over the whole block: a bag is one gathered row of the feature's offset
-        # table plus the id, reduced mod rows (uint32: x + offset < 2 * rows < 2^32, and
-        # min(v, v - rows) is v mod rows, as v - rows wraps around when v < rows)
+        # table plus the id, reduced mod rows (`transforms.expand_bags`, in uint32)
         if max(spec.table_rows) >= 1 << 31:
             raise ValueError(f"spec {spec.name!r}: multi-hot expansion needs table rows < 2^31")
         values = np.empty((nb, b * sum(bags)), np.int64)
@@ -219,9 +198,7 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
                 if bag_table is None:
                     values[j:j + k, start:start + b] = x[..., 0]
                 else:
-                    v = bag_table[x[..., 0] & (_MULTI_HOT_TABLE - 1)]  # [k, b, bag]
-                    v += x
-                    np.minimum(v, v - np.uint32(rows[f]), out=v)
+                    v = expand_bags(x[..., 0], bag_table, int(rows[f]))  # [k, b, bag]
                     values[j:j + k, start:start + b * bags[f]] = v.reshape(k, -1)
                 start += b * bags[f]
     else:  # key-major: all of C1's ids of a batch, then C2's, ... as the KJT lays them out

@@ -4,6 +4,8 @@
     categorical  a hash: 1 to 16 hex digits (the raw files' form) or an integer in [0, 2**64);
                  missing -> 0, else hash % rows (the feature's table rows), int64
     label        0 or 1
+    multi-hot    an id x of feature f becomes a bag of the spec's bag size: x first, then
+                 (x + offset) % rows, offsets from a table seeded by f and indexed by x % 2048
 
 Training (`data.criteo`'s TSV parser, `data.synth`) and every served model apply these functions:
 a logged model ships this file beside its own code (MLflow `code_paths`, as `recgrid_transforms`),
@@ -26,6 +28,8 @@ DENSE_DIGITS = 19  # an int64 has at most 19 decimal digits
 DENSE_MIN, DENSE_MAX = -(1 << 63), (1 << 63) - 1
 HASH_MAX = (1 << 64) - 1
 EXACT_FLOAT = 1 << 53  # the largest integer below which float64 holds every integer
+MULTI_HOT_TABLE = 2048  # offset rows per feature (a power of two: x % 2048 is x & 2047)
+MULTI_HOT_SEED = 0  # the seed of every multi-hot expansion (`bag_offsets`)
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _HEX_RE = re.compile(r"[0-9a-fA-F]{1,%d}" % MAX_HEX_DIGITS)
 
@@ -55,6 +59,28 @@ def transform_categorical(hashes: np.ndarray, rows: int, missing: np.ndarray | N
     if missing is not None:
         ids[missing] = 0
     return ids
+
+
+def bag_offsets(rows: int, bag: int, seed: int, feature: int) -> np.ndarray | None:
+    """Multi-hot (a spec's `multi_hot_sizes`): the [2048, bag] uint32 offsets of feature `feature`'s
+    bags, seeded by (seed, feature); column 0 is 0 (a bag's first id is the id itself); None for
+    bags of one. An id x's bag is (x + offsets[x % 2048]) % rows (`expand_bags`)."""
+    if bag == 1:
+        return None
+    rng = np.random.default_rng([seed, feature])
+    # offsets in [1, rows): the other ids of a bag differ from the id itself (if rows > 1)
+    other = rng.integers(1, rows, (MULTI_HOT_TABLE, bag - 1)) if rows > 1 else np.zeros((MULTI_HOT_TABLE, bag - 1))
+    return np.concatenate([np.zeros((MULTI_HOT_TABLE, 1), np.uint32), other.astype(np.uint32)], axis=1)
+
+
+def expand_bags(ids: np.ndarray, offsets: np.ndarray, rows: int) -> np.ndarray:
+    """The multi-hot bags ([..., bag] uint32) of `ids` (uint32, each < rows < 2**31) from their
+    feature's `bag_offsets`: one gathered row of offsets per id, plus the id, mod rows (x + offset <
+    2 * rows < 2**32, and min(v, v - rows) is v mod rows, as v - rows wraps around when v < rows)."""
+    v = offsets[ids & (MULTI_HOT_TABLE - 1)]
+    v += ids[..., None]
+    np.minimum(v, v - np.uint32(rows), out=v)
+    return v
 
 
 def is_missing(value: Any) -> bool:

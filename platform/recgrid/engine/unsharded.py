@@ -10,20 +10,21 @@ ids and the collision count) and applies it itself, as the training pipeline did
 (`data.specs.Compression.apply`), so callers never see the expanded features. Its output is
 one logit per sample (`[B]`; `torch.sigmoid` gives the click probability).
 
-This module imports torch and TorchRec only (never the rest of recgrid): loading a pickled
-`UnshardedDLRM` (an MLflow model of a job, `train.unshard`) needs those two and this file.
-`predict_rows` is the one-tensor form MLflow's pyfunc hands a model: `[B, 39]` float32, the 13
-dense values then one id per categorical feature (ids above 2**24 are not exact in float32: use
-the KeyedJaggedTensor form for those).
+`served_layout` lays a model out as the plain computation MLflow serves (`launch.served`): its
+tables by feature, its id mapping, its matrices layer by layer, each by its name in the model's
+`state_dict()`, so the served form needs torch only, never TorchRec or this module.
+This module imports torch, TorchRec and `data.specs` only (never the rest of recgrid).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recgrid.data.specs import DENSE_NAMES
 
 
 def combine_parts(pooled: dict[str, torch.Tensor], parts: Sequence[tuple[str | None, ...]], operation: str,
@@ -108,27 +109,66 @@ class UnshardedSparseArch(nn.Module):
 
 class UnshardedDLRM(nn.Module):
     """A trained DLRM as one module (the module docstring): `forward(dense, sparse)` gives `[B]`
-    logits; `predict_rows(rows)` the same from one `[B, 13 + 26]` tensor. `model` is TorchRec's
-    DLRM or DLRM_DCN whose sparse arch is an `UnshardedSparseArch`; `info` records what it was
-    trained as (dataset spec, architecture, compression settings, the job's run and step)."""
+    logits. `model` is TorchRec's DLRM or DLRM_DCN whose sparse arch is an `UnshardedSparseArch`;
+    `info` records what it was trained as (dataset spec, architecture, compression settings, the
+    job's run and step: `train.unshard.model_record`, from which it is rebuilt)."""
 
     def __init__(self, model: nn.Module, features: Sequence[str], num_dense: int, info: dict) -> None:
         super().__init__()
         self.model, self.features, self.num_dense, self.info = model, list(features), int(num_dense), dict(info)
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor | None = None) -> torch.Tensor:
-        if sparse is None:  # MLflow's pyfunc: one [B, 13 + 26] float32 tensor
-            return self.predict_rows(dense)
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.model(dense.float(), sparse).reshape(-1)
 
-    def predict_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Logits `[B]` of rows `[B, 13 + 26]`: the dense values, then one id per categorical feature."""
-        d = self.num_dense
-        if rows.dim() != 2 or rows.shape[1] != d + len(self.features):
-            raise ValueError(f"rows of shape {tuple(rows.shape)}: expected [B, {d + len(self.features)}] "
-                             f"({d} dense values, then one id for each of {self.features[0]}..{self.features[-1]})")
-        ids = rows[:, d:].round().long()
-        B = rows.shape[0]
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.features, values=ids.t().reshape(-1),
-                                                  lengths=torch.ones(B * len(self.features), dtype=torch.int32))
-        return self.forward(rows[:, :d].float(), kjt)
+
+def served_layout(model: UnshardedDLRM, table_rows: Sequence[int], bag_sizes: Sequence[int],
+                  multi_hot_seed: int) -> dict[str, Any]:
+    """`model` as the plain computation `launch.served.PlainDLRM` runs, every tensor by its name in
+    `model.state_dict()`: per categorical feature its table (or, QR-compressed, its head ids and
+    head, quotient and remainder tables: `QRIds`), how the parts combine, the bottom MLP's and the
+    top MLP's (weight, bias) per layer, and the interaction (DLRM's dot products, or DCN's cross
+    layers as (W, V, bias)). `table_rows` and `bag_sizes`: the spec's (the categorical modulus,
+    the multi-hot bags). A module this does not know (another TorchRec layout) is an error, never
+    a guess."""
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch, InteractionDCNArch
+    from torchrec.modules.crossnet import LowRankCrossNet
+    from torchrec.modules.mlp import Perceptron
+
+    net = model.model
+    if type(net) not in (DLRM, DLRM_DCN) or not isinstance(net.sparse_arch, UnshardedSparseArch):
+        raise TypeError(f"no served layout for a {type(net).__name__} (DLRM or DLRM_DCN over an unsharded sparse arch)")
+    arch = net.sparse_arch
+    tables = {}
+    for config in arch.embedding_bag_collection.embedding_bag_configs():
+        for feature in config.feature_names:
+            tables[feature] = f"model.sparse_arch.embedding_bag_collection.embedding_bags.{config.name}.weight"
+    compressed = {}
+    if arch.ids is not None:
+        for f, keys in arch.ids.compressed.items():
+            compressed[f] = {"keys": list(keys), "head": f"model.sparse_arch.ids.head_{f}" if keys[0] else None}
+
+    def linears(module: nn.Module, prefix: str, relu_on_last: bool) -> list[list[str]]:
+        found = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+        relu = [name for name, m in module.named_modules() if isinstance(m, Perceptron) and m._activation_fn is torch.relu]
+        if len(relu) != len(found) - (not relu_on_last):  # every layer ReLU'd, but the over arch's last
+            raise TypeError(f"{prefix}: not an MLP of ReLU layers")
+        return [[f"{prefix}{name}.weight", f"{prefix}{name}.bias"] for name, _ in found]
+
+    layout: dict[str, Any] = {
+        "dense": list(DENSE_NAMES), "sparse": list(model.features), "table_rows": [int(r) for r in table_rows],
+        "bag_sizes": [int(b) for b in bag_sizes], "multi_hot_seed": int(multi_hot_seed),
+        "tables": tables, "compressed": compressed, "collisions": arch.ids.collisions if arch.ids else None,
+        "parts": [list(p) for p in arch.parts], "operation": arch.operation, "embedding_dim": arch.D,
+        "bottom": linears(net.dense_arch, "model.dense_arch.", True),
+        "top": linears(net.over_arch, "model.over_arch.", False),
+    }
+    inter = net.inter_arch
+    if type(inter) is InteractionArch:
+        layout["interaction"] = "dot"
+    elif type(inter) is InteractionDCNArch and type(inter.crossnet) is LowRankCrossNet:
+        layout["interaction"] = "dcn"
+        layout["cross"] = [[f"model.inter_arch.crossnet.{part}.{i}" for part in ("W_kernels", "V_kernels", "bias")]
+                           for i in range(len(inter.crossnet.W_kernels))]
+    else:
+        raise TypeError(f"no served layout for the interaction {type(inter).__name__}")
+    return layout

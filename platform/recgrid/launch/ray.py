@@ -172,6 +172,7 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
                          status.get("events", []), status.get("attempts", []))
     tracker.log_interval_medians(config.train.max_steps)
     if config.tracking.log_model:
+        from recgrid.launch.model import log_job_model
         from recgrid.logs import libraries_quiet
 
         try:
@@ -198,50 +199,6 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
         + (() if metrics.get("recovery/count") else ("recovery/count",))
     print(summary_table(heading, metrics, result.events, skip), flush=True)
     return result
-
-
-# ---- the trained model ----------------------------------------------------------------------------
-def log_job_model(config: JobConfig, tracker: Any, status: dict[str, Any]) -> Any:
-    """The job's model out of the platform: its final storage checkpoint unsharded in this process
-    (`train.unshard.from_checkpoint`) and logged as the run's MLflow model "model" at the final
-    step (the final evaluation's metrics linked to it) and, with `tracking.register_as`, a
-    registered model version. Returns MLflow's `ModelInfo`, or None when the job ended without
-    a checkpoint of its final step (interrupted, or every group left at a drain)."""
-    import numpy as np
-    import pandas as pd
-    from mlflow.models import infer_signature
-
-    from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES
-    from recgrid.train.checkpoint import checkpoint_step
-    from recgrid.train.unshard import from_checkpoint
-
-    if config.model.towers is not None:
-        say("model: not logged: a Disaggregated Multi-Tower model (model.towers) has no unsharded form yet")
-        return None
-    final = (status.get("final") or {}).get("step")
-    written = status.get("checkpoints") or []
-    path = next((p for p in reversed(written) if checkpoint_step(p) == final), None)
-    if final is None or path is None:
-        say(f"model: no checkpoint of the final step {final}: no model logged")
-        return None
-    model = from_checkpoint(path, config, info={"run_id": tracker.run_id}, say=say)
-    spec = config.dataset_spec()
-    # MLflow's pyfunc form: one row per sample, the 13 dense values, then one id per categorical feature
-    example = pd.DataFrame({**{n: np.zeros(2, np.float32) for n in DENSE_NAMES},
-                            **{n: np.minimum(np.arange(2), rows - 1).astype(np.int64)
-                               for n, rows in zip(SPARSE_NAMES, spec.table_rows)}})
-    import torch
-
-    with torch.no_grad():
-        out = model(torch.from_numpy(example.to_numpy(dtype=np.float32))).numpy()
-    info = tracker.log_model(model, step=final, input_example=example, signature=infer_signature(example, out),
-                             register_as=config.tracking.register_as, params={"checkpoint": path, "spec": spec.name})
-    ne = tracker.client.get_run(tracker.run_id).data.metrics.get("eval/ne")
-    say(f"model: logged as {info.model_uri} (step {final}"
-        + (f", eval NE {ne:.4f}" if ne is not None else "")
-        + (f"; registered as {config.tracking.register_as!r} version {info.registered_model_version}"
-           if config.tracking.register_as else "") + ")")
-    return info
 
 
 # ---- data -----------------------------------------------------------------------------------------
