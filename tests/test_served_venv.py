@@ -81,6 +81,9 @@ def test_a_registered_model_served_without_recgrid_answers_raw_rows_as_recgrid_e
     with tempfile.TemporaryDirectory() as staging:
         info = tracker.log_model(model_files(model, staging), step=1, register_as="ctr")
     tracker.finish()
+    artifacts = [tmp_path / "mlartifacts", *(tmp_path / "mlartifacts").rglob("*")]  # the model, this user's only
+    assert any(p.name == "weights.pt" for p in artifacts)
+    assert all(p.stat().st_mode & 0o777 == (0o700 if p.is_dir() else 0o600) for p in artifacts)
     uri = f"models:/ctr/{info.registered_model_version}"
     data = raw_rows(tmp_path / "raw", model_spec(model))
     want = eval_probabilities(uri, data, tmp_path / "p.txt")  # `recgrid eval models:/ctr/1 --predictions`

@@ -347,3 +347,33 @@ def test_every_dashboard_metric_was_exported_during_the_job(submitted):
     missing = queried - submitted["seen"]
     assert not missing, (f"the dashboard queries names the cluster never exported during the job: {sorted(missing)}\n"
                          + submitted["out"][-6000:])
+
+
+def test_forwarded_uris_lose_their_credentials_and_a_shipped_config_with_one_is_refused(tmp_path, monkeypatch):
+    """Issue 47: every URI the runtime env forwards (shown on the Ray dashboard) loses its user and
+    password and its query-string tokens; a config file with a credential in any field is refused
+    as `--set` is (the working directory it ships can be read there), and so is such an override.
+    Functions of the submission only: no cluster, nothing sent."""
+    import json
+
+    from recgrid.config import load_config
+    from recgrid.launch.submit import SubmitError, entrypoint, job_env, refuse_shipped_credentials
+
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", "https://minio:S3CR3T@minio.example.com:9000/?X-Amz-Security-Token=T0K")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com/?token=T0K2")
+    env, notes = job_env(load_config(None, ["data.train=none/*.parquet"], check_paths=False))
+    assert env["MLFLOW_S3_ENDPOINT_URL"] == "https://minio.example.com:9000/"
+    assert env["MLFLOW_TRACKING_URI"] == "https://mlflow.example.com/"
+    assert not any(s in json.dumps([env, notes]) for s in ("S3CR3T", "T0K")), (env, notes)
+    assert any("not forwarded: the credentials in MLFLOW_S3_ENDPOINT_URL" in n for n in notes), notes
+    for key, value, what in (("data.train", "s3://KEY:SECRET@bucket/train/*.parquet", "a user and password"),
+                             ("data.eval", "https://h.example.com/eval.tsv?sig=SECRET", "a token in its query string"),
+                             ("tracking.tracking_uri", "https://h.example.com/?token=SECRET", "a token")):
+        config = load_config(None, ["data.train=none/*.parquet", f"{key}={value}"], check_paths=False)
+        with pytest.raises(SubmitError) as refused:
+            refuse_shipped_credentials("jobs/job.yaml", config)
+        assert str(refused.value).startswith(f"jobs/job.yaml: {key} ") and f"carries {what}" in str(refused.value)
+        assert "SECRET" not in str(refused.value)
+        with pytest.raises(SubmitError, match=f"--set {key}=.*a URI with credentials") as refused:
+            entrypoint("jobs/job.yaml", [f"{key}={value}"])
+        assert "SECRET" not in str(refused.value)

@@ -301,3 +301,47 @@ def test_credentials_in_a_tracking_uri_are_never_logged_or_printed(store: str, m
     assert env["MLFLOW_TRACKING_URI"] == "https://mlflow.example.com:5000/"  # forwarded without its credentials
     assert "s3cret-pw" not in " ".join([*env.values(), *notes]) and "alice" not in " ".join(notes)
     assert any("MLFLOW_TRACKING_USERNAME" in n for n in notes)
+
+
+def test_query_string_tokens_are_redacted_in_params_tags_errors_and_what_is_said(store: str, capsys) -> None:
+    """Issue 47: a presigned URL's X-Amz-Credential and X-Amz-Signature, a SAS `sig`, a `?token=` are
+    masked wherever recgrid logs or prints a URI (params, tags, the FAILED run's error, the driver's
+    lines); the rest of the query string stays; `strip_credentials` drops them from a URI passed on."""
+    import json
+
+    from recgrid.launch.report import say
+    from recgrid.tracking import has_credentials, strip_credentials
+
+    presigned = "https://b.s3.amazonaws.com/day_0?X-Amz-Credential=AKIAX%2F2026&X-Amz-Signature=f00d&versionId=7"
+    sas = "https://a.blob.core.windows.net/c/day_1?sv=2020-08-04&sig=s3cr3t"
+    tracker = Tracker(experiment="t-tokens", tracking_uri=store).start(
+        "x", params={"data": {"train": [presigned, sas]}}, tags={"source": "https://h.example.com/x?token=t0k"})
+    tracker.fail(RuntimeError(f"cannot read {presigned}"))
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(tracker.run_id)
+    logged = json.dumps([run.data.params, run.data.tags]) + Path(
+        client.download_artifacts(tracker.run_id, "error.txt", str(Path(store[len("sqlite:///"):]).parent))).read_text()
+    say(f"data: reading {presigned} and {sas}")
+    printed = capsys.readouterr().out
+    for secret in ("AKIAX", "f00d", "s3cr3t", "t0k"):
+        assert secret not in logged and secret not in printed, secret
+    assert "X-Amz-Signature=***&versionId=7" in run.data.params["data.train"] and "sv=2020-08-04&sig=***" in printed
+    assert has_credentials(presigned) and not has_credentials("sqlite:///runs/mlflow.db?timeout=20")
+    assert strip_credentials(presigned) == "https://b.s3.amazonaws.com/day_0?versionId=7"
+    assert strip_credentials("https://u:pw@h.example.com/x?token=t0k#top") == "https://h.example.com/x#top"
+
+
+def test_a_local_stores_artifacts_are_this_users_only(tmp_path) -> None:
+    """Issue 47: what a run stores beside a local SQLite database (its artifacts: the summary, the
+    error, the model) is 0600 in 0700 directories, as checkpoints are, whatever the umask."""
+    import os
+
+    store = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    tracker = Tracker(experiment="t-private", tracking_uri=store).start("x")
+    tracker.log_text("NE 0.6", "summary/table.md")
+    tracker.fail("it stopped")
+    root = tmp_path / "runs" / "mlartifacts"
+    modes = {p: os.stat(p).st_mode & 0o777 for p in [root, *root.rglob("*")]}
+    assert any(p.name == "table.md" for p in modes) and any(p.name == "error.txt" for p in modes)
+    wrong = {str(p): oct(m) for p, m in modes.items() if m != (0o700 if p.is_dir() else 0o600)}
+    assert not wrong, wrong

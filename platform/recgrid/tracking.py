@@ -22,10 +22,14 @@ Where runs go, first match wins:
   3. `sqlite:///<repo>/runs/mlflow.db`, artifacts in `<repo>/runs/mlartifacts`
      (MLflow 3 refuses the plain file store, so the local default is a SQLite file).
 
-A URI's credentials (`scheme://user:pass@host`) never leave this module in what it prints or
-logs: `redact_uri` masks them, and params, tags, error texts and the UI links it builds go through
-it; only the MLflow client itself is given the full URI. Better still, keep them out of the URI:
-MLflow's clients read MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD.
+A URI's credentials (`scheme://user:pass@host`, and a query string's tokens: `?token=`, a presigned
+URL's `X-Amz-Signature`, a SAS `sig`, any parameter named for a token, secret, password, key,
+signature or credential) never leave this module in what it prints or logs: `redact_uri` masks
+them, and params, tags, error texts and the UI links it builds go through it (`strip_credentials`
+drops them from a URI that is passed on); only the MLflow client itself is given the full URI.
+Better still, keep them out of the URI: MLflow's clients read MLFLOW_TRACKING_USERNAME /
+MLFLOW_TRACKING_PASSWORD. The artifacts it writes to a local store are this user's only: 0600 files
+in 0700 directories (`private_tree`), as checkpoints are.
 
 mlflow is imported inside the class, so importing this module is free.
 """
@@ -103,14 +107,31 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]+)@")
 
 
+# a query-string parameter named for a secret (`token`, `access_token`, `X-Amz-Signature`, `X-Amz-Credential`,
+# `X-Amz-Security-Token`, a SAS `sig`, `password`, `api_key`, ...) and its value
+_SECRET_PARAM = re.compile(r"(?P<name>[?&;][A-Za-z0-9_.-]*(?:token|secret|passw|pwd|signature|credential|key|\bsig)"
+                           r"[A-Za-z0-9_.-]*=)(?P<value>[^&#\s'\"]+)", re.IGNORECASE)
+
+
 def redact_uri(text: str, keep: str = "***@") -> str:
-    """`text` with the credentials of every URL in it replaced by `keep` (`***@`; "" drops them)."""
-    return _USERINFO.sub(lambda m: m.group("scheme") + keep, text)
+    """`text` with the credentials of every URL in it replaced by `keep` (`***@`; "" drops them) and the
+    value of every query parameter named for a secret by `***`."""
+    return _SECRET_PARAM.sub(lambda m: m.group("name") + "***", _USERINFO.sub(lambda m: m.group("scheme") + keep, text))
+
+
+def strip_credentials(uri: str) -> str:
+    """`uri` without its user and password and without its query parameters named for a secret (what is
+    passed on to another machine, which must hold credentials of its own)."""
+    uri = _USERINFO.sub(lambda m: m.group("scheme"), uri)
+    base, mark, query = uri.partition("?")
+    query, hash_mark, fragment = query.partition("#")
+    kept = [p for p in query.split("&") if p and not _SECRET_PARAM.fullmatch(f"?{p}")]
+    return base + (mark if kept else "") + "&".join(kept) + hash_mark + fragment
 
 
 def has_credentials(text: str) -> bool:
-    """Whether a URL in `text` carries a user or password."""
-    return _USERINFO.search(text) is not None
+    """Whether a URL in `text` carries a user or password, or a query parameter named for a secret."""
+    return _USERINFO.search(text) is not None or _SECRET_PARAM.search(text) is not None
 
 
 def _sqlite_path(uri: str) -> Path | None:

@@ -9,7 +9,7 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
-from recgrid.tracking import stack_versions
+from recgrid.tracking import redact_uri, stack_versions
 
 
 def machine_info() -> dict:
@@ -52,7 +52,7 @@ SUMMARY = (
 
 
 def say(msg: str) -> None:
-    print(f"[recgrid] {msg}", flush=True)
+    print(f"[recgrid] {redact_uri(msg)}", flush=True)  # a URI's credentials and query tokens masked
 
 
 def summary_table(heading: list[tuple[str, str]], metrics: dict[str, float], events: list[dict],

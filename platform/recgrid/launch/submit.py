@@ -22,9 +22,11 @@ This module owns what a submission carries and how it talks to the cluster:
 - settings the job needs go in the runtime env's `env_vars` (the submitting shell's environment
   never reaches a job): `MLFLOW_TRACKING_URI` (a relative SQLite path made absolute) and the
   MLflow settings in `FORWARDED_ENV`. Credentials are not forwarded (a runtime env is shown on the
-  Ray dashboard): the cluster has its own; a `user:pass@` in the tracking URI is stripped from
-  what is forwarded and from everything printed, and a `--set` override carrying one is refused
-  (the entrypoint is shown on the dashboard too); the token is never printed;
+  Ray dashboard): the cluster has its own; a `user:pass@` or a query-string token in any forwarded
+  URI (`MLFLOW_TRACKING_URI`, `MLFLOW_S3_ENDPOINT_URL`, ...) is stripped from what is forwarded
+  and from everything printed, and a `--set` override or a shipped config file carrying one in
+  any field is refused (the entrypoint is shown on the dashboard too, and the working directory
+  can be read there); the token is never printed;
 - Ray 2.60 clusters require token authentication: the token is found where Ray looks
   (`RAY_AUTH_TOKEN`, the file at `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and token mode is
   switched on for this client when one is there; a cluster that asks for a token and gets none,
@@ -53,7 +55,7 @@ from urllib.parse import urlsplit
 
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say
-from recgrid.tracking import has_credentials, redact_uri
+from recgrid.tracking import has_credentials, redact_uri, strip_credentials
 
 # never shipped, tracked by git or not (gitignore patterns, relative to the project directory)
 EXCLUDES = [".git", ".venv", "venv", "/runs/", "mlruns", "__pycache__", ".pytest_cache", "*.egg-info", "*.pyc"]
@@ -169,12 +171,21 @@ def entrypoint(config_path: str, overrides: list[str]) -> str:
 
 def refuse_shipped_credentials(config_path: str, config: JobConfig) -> None:
     """A config file is shipped in the job's working directory, which anyone who can reach the Ray
-    dashboard can read: one whose tracking URI carries a user or password is refused, as `--set` is."""
-    uri = config.tracking.tracking_uri
-    if uri and has_credentials(uri):
-        raise SubmitError(f"{config_path}: tracking.tracking_uri {redact_uri(uri)} carries a user and password, and "
-                          f"the config is shipped to the cluster (its working directory); take them out of the URI "
-                          f"and give them to the cluster as MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD")
+    dashboard can read: one with a credential (a URI's user and password, a query-string token) in
+    any field is refused, as `--set` is."""
+    for key, value in config.to_flat_dict(resolved=False).items():
+        text = str(value)
+        if has_credentials(text):
+            what = "a user and password" if has_credentials(strip_query(text)) else "a token in its query string"
+            raise SubmitError(f"{config_path}: {key} {redact_uri(text)} carries {what}, and the config is shipped "
+                              f"to the cluster (its working directory); take them out and give the cluster its own "
+                              f"(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for the tracking server, the "
+                              f"object store's credentials in the cluster's environment)")
+
+
+def strip_query(text: str) -> str:
+    """`text` with every URL's query string left out (what is left can still carry a user and password)."""
+    return re.sub(r"\?[^\s'\"]*", "", text)
 
 
 def _ignored(rel: str) -> bool:
@@ -246,14 +257,17 @@ def job_env(config: JobConfig) -> tuple[dict[str, str], list[str]]:
         if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # relative: make it this directory's
             uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).absolute())
         if has_credentials(uri):
-            uri = redact_uri(uri, keep="")
-            notes.append("not forwarded: the user and password in MLFLOW_TRACKING_URI (a runtime env is visible "
+            uri = strip_credentials(uri)
+            notes.append("not forwarded: the credentials in MLFLOW_TRACKING_URI (a runtime env is visible "
                          "on the Ray dashboard); the cluster needs MLFLOW_TRACKING_USERNAME / "
-                         "MLFLOW_TRACKING_PASSWORD of its own")
+                         "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) of its own")
         env["MLFLOW_TRACKING_URI"] = uri
     for name in FORWARDED_ENV:
         if os.environ.get(name):
-            env[name] = os.environ[name]
+            env[name] = strip_credentials(os.environ[name])
+            if env[name] != os.environ[name]:
+                notes.append(f"not forwarded: the credentials in {name} (a runtime env is visible on the Ray "
+                             f"dashboard); forwarded as {env[name]}, the cluster needs its own")
     if config.tracking.tracking_uri:
         notes.append(f"MLflow: the run goes to {redact_uri(config.tracking.tracking_uri)} (tracking.tracking_uri in "
                      f"the config)")
