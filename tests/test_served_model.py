@@ -122,6 +122,39 @@ def test_ids_above_2_24_reach_their_own_row(tmp_path):
     assert abs(want[0] - want[1]) > 1e-4  # neighbours in float32, different rows here
 
 
+def test_a_40m_row_tables_ids_above_2_24_and_its_head_ids_reach_their_own_rows(tmp_path):
+    """Criteo 1TB's 40M-row tables, QR-compressed (so the test's tables stay small) with a head cache
+    whose ids pass 2**24: an id in the head, 2**24 + 1, and its float32 neighbour 2**24 each reach
+    their own row (head and quotient/remainder), as `recgrid eval` reads them."""
+    import mlflow.pyfunc
+
+    from recgrid.config import load_config
+    from recgrid.launch.model import save_model_dir
+    from recgrid.train.unshard import build_unsharded
+
+    config = load_config(None, ["data.spec=criteo_1tb", "data.train=none/*.parquet", "model.embedding_dim=16",
+                                "model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_collisions=8192",
+                                "model.head_rows=2", "model.qr_operation=add"], check_paths=False)
+    spec = config.dataset_spec()
+    assert spec.table_rows[0] == 40_000_000
+    compression = config.compression().with_heads({f: [2**24 + 1, 33_554_433] if f == 0 else [1, 2]
+                                                   for f in config.compression().features(spec)})
+    model = build_unsharded(config, compression, {"step": 1})
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "embedding_bags" in name:
+                t.copy_(torch.randn(t.shape, generator=generator) * 0.5)
+    save_model_dir(model, str(tmp_path / "model"))
+    ids = [2**24 + 1, 2**24, 123456789, 33_554_433]
+    lines = ["\t".join(["1"] + ["2"] * 13 + [format(i, "x")] + ["0a1b2c3d"] * 25) for i in ids]
+    (tmp_path / "big.tsv").write_text("\n".join(lines) + "\n")
+    want = eval_probabilities(str(tmp_path / "model"), str(tmp_path / "big.tsv"), tmp_path / "p.txt")
+    got = mlflow.pyfunc.load_model(str(tmp_path / "model")).predict(client_frame(str(tmp_path / "big.tsv")))
+    assert np.abs(got["probability"].to_numpy() - want).max() <= 1e-6
+    assert abs(want[0] - want[1]) > 1e-4 and abs(want[0] - want[3]) > 1e-4  # three rows, not one
+
+
 @pytest.mark.parametrize("column,value,needle", [
     ("C3", "zz12", "'zz12' is not a hexadecimal id of 1 to 16 digits"),
     ("C3", -5, "-5 is not an id in [0, 2**64)"),

@@ -39,7 +39,8 @@ class PlainDLRM:
 
     def __init__(self, layout: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
         self.layout = layout
-        self.w = {k: v.float() for k, v in weights.items()}  # fp16 tables pool in fp32, as TorchRec's do
+        # fp16 tables pool in fp32, as TorchRec's do; the head caches' ids stay int64 (exact past 2**24)
+        self.w = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
         self.heads = {f: self.w[c["head"]].long() for f, c in layout["compressed"].items() if c["head"]}
 
     def forward(self, dense: torch.Tensor, ids: list[np.ndarray]) -> torch.Tensor:
