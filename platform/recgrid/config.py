@@ -199,7 +199,7 @@ class TrackingConfig:
     tracking_uri: str | None = None
     """MLflow tracking URI; null = $MLFLOW_TRACKING_URI if set, else sqlite:///<repo>/runs/mlflow.db."""
     log_model: bool = True
-    """At the end of a job, log its model, unsharded, as the run's MLflow model "model" (loads with torch and TorchRec alone; the final eval metrics linked to it), read from the final storage checkpoint, which the job then always writes. Not for tower models (model.towers), which write no storage checkpoint."""
+    """At the end of a job, log its model, unsharded, as the run's MLflow model "model" (MLflow serves it with torch alone, raw rows in, click probabilities out; the final eval metrics linked to it), read from the final storage checkpoint, which the job then always writes. Not for tower models (model.towers), which write no storage checkpoint."""
     register_as: str | None = None
     """With log_model: also register the logged model as a new version of this registered model name; null = not registered."""
 
