@@ -29,9 +29,9 @@ Interrupts (`Interrupts`): Ray Train's fit runs in a thread of its own, so SIGIN
 reach the driver's handler instead of Ray Train's (which aborts the workers at once). The first
 asks the workers to stop at their next sync step (`JobControl.request_stop(interrupt=True)`);
 they write a checkpoint if the job has checkpoints and skip the final evaluation; the run ends
-KILLED, tagged `interrupted` with the step, and `recgrid train` exits 130. A second signal, or
-workers that have not stopped within `STOP_GRACE_S`, end the job at once (Ray's local cluster
-shut down with its workers).
+KILLED, tagged `interrupted` with the step, and `recgrid train` exits 128 + the signal (130 after
+Ctrl-C, 143 after SIGTERM). A second signal, or workers that have not stopped within
+`STOP_GRACE_S`, end the job at once (Ray's local cluster shut down with its workers).
 """
 
 from __future__ import annotations
@@ -90,7 +90,18 @@ CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 # call per worker of the run.
 RUN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 HOLDER_METER_S = 10.0  # how often the driver logs what the hosts' snapshot holders keep
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a command ended by Ctrl-C (SIGTERM's: 128 + 15)
+
+
+class FailuresSpent(RuntimeError):
+    """A sharding group's Ray Train run failed more often than `train.max_failures` allows (its
+    last failure is the `__cause__`); the job fails with it."""
+
+    def __init__(self, group: int, max_failures: int) -> None:
+        super().__init__(f"sharding group {group} failed {max_failures + 1} times, more than train.max_failures="
+                         f"{max_failures} allows" if max_failures else
+                         f"sharding group {group} failed, and train.max_failures=0 survives no failure")
+        self.group, self.max_failures = group, max_failures
 
 
 class Interrupted(KeyboardInterrupt):
@@ -103,6 +114,12 @@ class Interrupted(KeyboardInterrupt):
     def __str__(self) -> str:
         return self.why + (f" at step {self.step}" if self.step is not None else "")
 
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a command ended by the signal that interrupted it (Ctrl-C's when unknown)."""
+        name = self.why.split(";", 1)[0].strip()
+        return 128 + int(getattr(signal, name)) if name in ("SIGINT", "SIGTERM") else EXIT_INTERRUPTED
+
 
 @dataclass
 class JobResult:
@@ -114,6 +131,7 @@ class JobResult:
     ui_command: str = ""
     events: list[dict] = field(default_factory=list)  # recovery events, in order
     attempts: list[dict] = field(default_factory=list)  # worker groups Ray Train started
+    exit_code: int | None = None  # `recgrid train`'s exit status when not 0 (FINISHED) or 1 (FAILED)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -123,7 +141,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"recgrid train: invalid job config: {e}", file=sys.stderr)
         return 2
     result = run_job(config)
-    return {"FINISHED": 0, "KILLED": EXIT_INTERRUPTED}.get(result.status, 1)
+    return result.exit_code if result.exit_code is not None else {"FINISHED": 0}.get(result.status, 1)
 
 
 def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None = None,
@@ -160,13 +178,19 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
         tracker.kill(f"{message} ({e.why})")
         say(f"KILLED: {message} ({e.why}); MLflow run {tracker.run_id} marked KILLED")
         return JobResult(tracker.run_id, "KILLED", {}, f"KeyboardInterrupt: {message}", time.perf_counter() - t0,
-                         tracker.ui_command(), status.get("events", []), status.get("attempts", []))
+                         tracker.ui_command(), status.get("events", []), status.get("attempts", []), e.exit_code)
     except BaseException as e:  # noqa: BLE001 - the run records every failure, then it propagates as a status
-        cause = _root_cause(e)
-        tracker.fail(cause)  # the user's error, not Ray's wrapper around it
-        error = f"{type(cause).__name__}: {cause}".splitlines()[0][:2000]
-        if cause is not e and _is_train_failure(e):  # the workers' tracebacks, as Ray Train gathered them
-            print(str(e), file=sys.stderr, flush=True)
+        spent = e if isinstance(e, FailuresSpent) else None
+        inner = e.__cause__ if spent is not None and e.__cause__ is not None else e
+        cause = _root_cause(inner)
+        tracker.fail(cause)  # the user's error, not Ray's wrapper around it (its traceback: error.txt)
+        error = f"{type(cause).__name__}: {cause}".splitlines()[0]
+        if spent is not None:  # why the job gave up, then what failed last
+            error = f"{spent}; its last failure: {error}"
+            tracker.set_tags({"error": error[:5000]})
+        error = error[:2000]
+        if cause is not inner and _is_train_failure(inner):  # the workers' tracebacks, as Ray Train gathered them
+            print(str(inner), file=sys.stderr, flush=True)
         say(f"FAILED: {error}")
         return JobResult(tracker.run_id, "FAILED", {}, error, time.perf_counter() - t0, tracker.ui_command(),
                          status.get("events", []), status.get("attempts", []))
@@ -414,7 +438,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     t = config.train
     # where each sharding group's run goes (pinned per layout), known before the workers are built
-    runs = JobRuns(grid, here, placer(config))
+    runs = JobRuns(grid, here, placer(config), t.max_failures)
     if config.snapshots.on:  # what each host's holder will keep, against its room: refused before any worker starts
         where = runs.pinned or runs.unpinned_positions(worker_resources(config))
         check_holder_room(holder_bytes(where, shard_position_bytes(plan, grid.group_size, engine.model.embedding_dtype),
@@ -523,16 +547,21 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
     ended = threading.Event()
     threads: list[threading.Thread] = []
 
-    def fit(run: Any, retired: threading.Event) -> None:
+    def fit(run: Any, retired: threading.Event, group: int) -> None:
         try:
             run()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             if not ended.is_set() and not retired.is_set():  # a run the driver ended is not a failure
+                if _is_train_failure(e):  # Ray Train gave up on the group: its failures are spent
+                    spent = FailuresSpent(group, runs.max_failures)
+                    spent.__cause__ = e
+                    e = spent
                 errors.append(e)
 
-    def launch(started: "list[tuple[Any, threading.Event]]") -> None:
-        for run, retired in started:
-            th = threading.Thread(target=fit, args=(run, retired), name=f"recgrid-fit-{len(threads)}", daemon=True)
+    def launch(started: "list[tuple[Any, threading.Event, int]]") -> None:
+        for run, retired, group in started:
+            th = threading.Thread(target=fit, args=(run, retired, group), name=f"recgrid-fit-{len(threads)}",
+                                  daemon=True)
             threads.append(th)
             th.start()
 
@@ -619,10 +648,11 @@ class JobRuns:
     `train.recovery.storage`); inter-host, only the groups that had a worker there are ended, and
     each is started again on nodes no other group uses once there are (it heals from a live peer).
     Both return the runs they started: (a fit call per run, the event `end()` sets first, so the
-    driver tells the runs it ended from failed ones)."""
+    driver tells the runs it ended from failed ones, its group)."""
 
-    def __init__(self, grid: Any, here: Any, place: Any, make_run: Any = None) -> None:
+    def __init__(self, grid: Any, here: Any, place: Any, max_failures: int = 0, make_run: Any = None) -> None:
         self.grid, self.here, self.place, self.make_run = grid, here, place, make_run
+        self.max_failures = max_failures  # each run's train.max_failures (its FailureConfig)
         self.pinned: dict[int, list[str]] = {}
         self.unplaced = False  # host-local on several nodes that cannot hold every replica group whole: not pinned
         if place is not None:
@@ -652,11 +682,11 @@ class JobRuns:
             return {}
         return {0: nodes * self.grid.group_size}
 
-    def start(self) -> list[tuple[Any, threading.Event]]:
+    def start(self) -> list[tuple[Any, threading.Event, int]]:
         groups = sorted(self.pinned) if self.place is not None else list(range(self.grid.num_groups))
         return self._start(groups)
 
-    def _start(self, groups: list[int]) -> list[tuple[Any, threading.Event]]:
+    def _start(self, groups: list[int]) -> list[tuple[Any, threading.Event, int]]:
         import ray
 
         # the runs' controllers are their owner's children and inherit its environment
@@ -669,13 +699,13 @@ class JobRuns:
                                       runtime_env={"env_vars": env} if env else None).remote()
             retired = threading.Event()
             self.owners.append((owner, set(cohort), retired))
-            started += [((lambda tr=tr, owner=owner: _raise_returned(ray.get(owner.fit.remote(tr)))), retired)
-                        for tr in trainers]
+            started += [((lambda tr=tr, owner=owner: _raise_returned(ray.get(owner.fit.remote(tr)))), retired, g)
+                        for tr, g in zip(trainers, cohort)]
             self.running |= set(cohort)
             self.waiting -= set(cohort)
         return started
 
-    def moved(self) -> list[tuple[Any, threading.Event]]:
+    def moved(self) -> list[tuple[Any, threading.Event, int]]:
         import ray
 
         if self.place is None:
