@@ -278,10 +278,10 @@ def test_inter_host_groups_get_hosts_of_their_own_and_a_host_loss_leaves_one_tra
     assert r.status == "FINISHED", r.error
     run = mlflow_client(cfg).get_run(r.run_id)
     assert run.data.params["derived.nodes"] == "2"
-    by_group = {}
-    for x in _ranks(cfg, r.run_id):
-        if x["attempt"] < 2:  # the first start of both groups
-            by_group.setdefault(x["rank"] // 2, set()).add(x["node"])
+    first_node: dict[int, str] = {}
+    for x in _ranks(cfg, r.run_id):  # each rank's first process: the job's first placement
+        first_node.setdefault(x["rank"], x["node"])
+    by_group = {g: {first_node[r] for r in (2 * g, 2 * g + 1)} for g in (0, 1)}
     assert len(by_group[0]) == len(by_group[1]) == 1 and not by_group[0] & by_group[1], by_group
 
 

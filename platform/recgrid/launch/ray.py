@@ -17,9 +17,10 @@ The sharding groups' runs are owned by one small actor of the job (`GroupRuns`, 
 this node), so the driver can end them: a run that Ray Train restarted after a node loss or a
 drain waits for room, and when the other groups have finished the job (or one run's failures are
 spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
-Train has no public call that ends a run from another process). With the host-local layout the
-runs are pinned to nodes (`train.placement.host_local_nodes`); when a pinned node is gone the
-driver ends them and starts them again pinned to live nodes (`JobRuns`).
+Train has no public call that ends a run from another process). The runs are pinned to nodes as
+the layout wants (`train.placement`): host-local shard position s of every group on one node,
+inter-host each group on nodes of its own; when a pinned node is gone the driver ends the runs
+that had a worker there and starts them again pinned to live nodes (`JobRuns`).
 
 The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
 workers hand their lines (progress, recoveries, failures) to job control and the driver prints
