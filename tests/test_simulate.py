@@ -272,7 +272,7 @@ STEP = {"host-local": 0.070, "inter-host": 0.105}  # the shape of ctr_like_0.5tb
 
 
 def _goodput(T: int, step=STEP, **model):
-    from recgrid.plan.simulate import FailureModel, goodput_row
+    from recgrid.plan.goodput import FailureModel, goodput_row
 
     return goodput_row(T, 8, 16, dict(step), FailureModel(**model))
 
@@ -329,7 +329,7 @@ def test_goodput_break_evens_are_where_the_choice_turns():
     assert _goodput(1024, step={"host-local": 0.1, "inter-host": 0.1}).inter_host_break_even_rate == 0.0
     one = _goodput(8, step={"host-local": 0.07, "inter-host": None})  # T = 8: one host
     assert one.loss_s["host_local_snapshots"] == one.loss_s["host_local_storage"] and one.goodput["inter_host"] is None
-    from recgrid.plan.simulate import FailureModel, goodput_row
+    from recgrid.plan.goodput import FailureModel, goodput_row
 
     small = goodput_row(64, 8, 4, dict(STEP), FailureModel())  # L = 4: a host holds two sharding groups
     assert small.groups_per_host == 2 and small.num_groups == 16
