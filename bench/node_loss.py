@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -58,7 +59,8 @@ def run_case(tmp: Path, name: str, gap_s: float, loss_step: int) -> dict:
     L = T // M
     per_node = L if layout == "inter-host" else M  # a node holds a sharding group, or a replica group
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": LOCAL_SYSTEM_CONFIG})
-    nodes = [cluster.add_node(num_cpus=1, resources={"worker_slot": per_node}) for _ in range(2)]
+    cpus = max(1, math.ceil(per_node * 0.5))  # the job's train.cpus_per_worker (0.5) for every worker it holds
+    nodes = [cluster.add_node(num_cpus=cpus, resources={"worker_slot": per_node}) for _ in range(2)]
     ray.init(address=cluster.address, runtime_env={"env_vars": RAY_ENV}, logging_level="WARNING")
     cluster.wait_for_nodes()
     config = load_config(REPO / "jobs/local_demo.yaml", [
@@ -70,8 +72,11 @@ def run_case(tmp: Path, name: str, gap_s: float, loss_step: int) -> dict:
         f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-node-loss-{name}",
         f"data.row_log={tmp}/rows",
     ])
+    from recovery import CpuSampler  # bench/recovery.py: every process's CPU, sampled with psutil
+
     box: dict = {}
     job = threading.Thread(target=lambda: box.setdefault("result", run_job(config, on_start=lambda c: box.setdefault("c", c))))
+    sampler = CpuSampler().__enter__()
     job.start()
     out: dict = {"case": name, **shape, "group_size": L, "snapshots": str(config.snapshots.param())}
     lost_at = before = added_at = None
@@ -94,7 +99,7 @@ def run_case(tmp: Path, name: str, gap_s: float, loss_step: int) -> dict:
                 lost_at = time.time()
                 cluster.remove_node(lost)
                 time.sleep(gap_s)
-                nodes.append(cluster.add_node(num_cpus=1, resources={"worker_slot": per_node}))
+                nodes.append(cluster.add_node(num_cpus=cpus, resources={"worker_slot": per_node}))
                 added_at = time.time()
                 out["node_added_s"] = round(added_at - lost_at, 2)
             events = [e for e in st["events"] if "seconds" in e] if st else []
@@ -107,8 +112,15 @@ def run_case(tmp: Path, name: str, gap_s: float, loss_step: int) -> dict:
                 out["last_group_first_step_after_node_added_s"] = round(firsts[-1] - added_at, 2)
                 out["first_step_after_loss_s"] = round(firsts[0] - lost_at, 2)
                 out["survivors_steps_during"] = [e.get("survivors_steps") for e in events]
-                out["recoveries"] = [{k: e.get(k) for k in ("sharding_group", "source", "step", "steps_lost",
-                                                            "snapshot_interval_steps", "kept_training", "detail")}
+                # where the cores went from the node's loss to the first committed step after it
+                out["cpu_during_recovery"] = sampler.recovery(lost_at, min(e["t_attempt_start"] for e in events),
+                                                              firsts[0])
+                out["recoveries"] = [{**{k: e.get(k) for k in ("sharding_group", "source", "step", "steps_lost",
+                                                               "snapshot_interval_steps", "kept_training", "detail")},
+                                      # when each phase ended, in seconds after the fresh node joined
+                                      **{f"{k}_after_node_added_s": round(e[k] - added_at, 2)
+                                         for k in ("t_failure_detected", "t_attempt_start", "t_heal", "t_first_step")
+                                         if e.get(k)}}
                                      for e in events]
                 ray.get(c.control.request_stop.remote())
                 break
@@ -134,6 +146,7 @@ def run_case(tmp: Path, name: str, gap_s: float, loss_step: int) -> dict:
             lost = max((e.get("steps_lost") or 0 for e in result.events if "seconds" in e), default=0)
             out["row_audit"] = row_audit(config, tmp / "rows", lost)
     finally:
+        sampler.__exit__(None, None, None)
         ray.shutdown()
         cluster.shutdown()
     return out
@@ -183,17 +196,17 @@ def main() -> None:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         print(json.dumps(results[name]), file=sys.stderr, flush=True)
-    out = {
-        "benchmark": "node_loss",
-        "configuration": {"sync_every": 5, "batch_size_per_worker": 64,
-                          "cluster": "ray.cluster_utils.Cluster: a head of 1 CPU (no worker slot), two worker nodes of "
-                                     "1 CPU and the worker slots of one sharding group (inter-host) or one replica "
-                                     "group (host-local) each",
-                          "cases": {k: CASES[k] for k in results}, "gap_s": a.gap, "loss_step": a.loss_step},
-        "results": results,
-        "machine": machine_info(),
-    }
-    write_result(a.out, out)
+        out = {
+            "benchmark": "node_loss",
+            "configuration": {"sync_every": 5, "batch_size_per_worker": 64,
+                              "cluster": "ray.cluster_utils.Cluster: a head of 1 CPU (no worker slot), two worker nodes "
+                                         "with the worker slots and CPUs (0.5 a worker) of one sharding group "
+                                         "(inter-host) or one replica group (host-local) each",
+                              "cases": {k: CASES[k] for k in results}, "gap_s": a.gap, "loss_step": a.loss_step},
+            "results": results,
+            "machine": machine_info(),
+        }
+        write_result(a.out, out)  # after every case: a case that fails keeps the ones before
     print(json.dumps(results, indent=2))  # the whole file, with the machine, is at --out
 
 

@@ -134,6 +134,7 @@ class CpuSampler:
         used: dict[str, float] = {"new_train_workers": 0.0, "new_ray_train_actors": 0.0,
                                   "surviving_train_workers": 0.0, "ended": 0.0, "other": 0.0}
         survivors, new_workers = [], []
+        by_name: dict[str, dict] = {}  # the new Ray processes other than train workers, by name
         for pid, (name, cpu, created) in b.items():
             was = a.get(pid)
             since = cpu - (was[1] if was else 0.0)
@@ -145,6 +146,8 @@ class CpuSampler:
                 new_workers.append(pid)
             elif was is None and name.startswith("ray::"):
                 used["new_ray_train_actors"] += since
+                entry = by_name.setdefault(name, {"core_s": 0.0, "processes": 0})
+                entry["core_s"], entry["processes"] = round(entry["core_s"] + since, 2), entry["processes"] + 1
             else:
                 used["other"] += since
         for pid, (name, cpu, created) in a.items():  # ended in the window: the failed group's other workers
@@ -159,6 +162,7 @@ class CpuSampler:
         before_fn = sorted(round(at_fn[p][1] - (a[p][1] if p in a else 0.0), 2) for p in new_workers if p in at_fn)
         return {"window_s": round(window, 2), "cores": os.cpu_count(),
                 "core_s": {k: round(v, 2) for k, v in used.items()},
+                "new_ray_processes": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["core_s"])),
                 "new_train_worker_core_s_before_training_function": before_fn,
                 "surviving_train_workers_cores_before": round(survivors_before / window, 2),
                 "surviving_train_workers_cores_during": round(used["surviving_train_workers"] / window, 2)}

@@ -489,7 +489,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
                                              label_selector=label_selectors(positions) if positions else None),
                 torch_config=backend, run_config=run_config(f"{name}-group{g}"))
 
-        runs.make_run = group_run
+        runs.make_run, runs.control = group_run, actors.control
         low = config.min_groups
         survives = t.max_failures > 0
         say(f"training: T={grid.world_size} M={grid.num_groups} L={grid.group_size} K={config.grid.sync_every} "
@@ -644,9 +644,10 @@ class JobRuns:
     `start()` starts every group `place` places now (all of them when the job is not pinned);
     `moved()`, asked every second, answers a pinned node gone: host-local, it held shard position s
     of every group, so every run is ended (their selectors name the dead node: they would wait for
-    it forever) and started again, pinned to live nodes, once those hold every replica group whole
-    (their workers restore the hosts' in-memory snapshot, else the newest storage checkpoint:
-    `train.recovery.storage`); inter-host, only the groups that had a worker there are ended, and
+    it forever) and started again, pinned to live nodes where those hold every replica group whole,
+    else at once with the lost positions pinned to the node that joins next (`_start_ahead`); their
+    workers restore the hosts' in-memory snapshot, else the newest storage checkpoint
+    (`train.recovery.storage`); inter-host, only the groups that had a worker there are ended, and
     each is started again on nodes no other group uses once there are (it heals from a live peer).
     Both return the runs they started: (a fit call per run, the event `end()` sets first, so the
     driver tells the runs it ended from failed ones, its group)."""
@@ -665,6 +666,8 @@ class JobRuns:
         self.running: set[int] = set()
         self.owners: list[tuple[Any, set[int], threading.Event]] = []
         self._said_wait = False
+        self._known: set[str] = set()  # the alive nodes when positions were started ahead (`_start_ahead`)
+        self.control: Any = None  # the job's JobControl (where each rank's newest worker runs)
 
     def start_groups(self, placeable: int) -> int:
         """How many sharding groups start now (the first quorum waits for them): the pinned ones, or
@@ -712,7 +715,8 @@ class JobRuns:
         if self.place is None:
             return []
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        lost = sorted(g for g in self.running if set(self.pinned.get(g, ())) - alive)
+        self._resolve(alive)
+        lost = sorted(g for g in self.running if {n for n in self.pinned.get(g, ()) if not _ahead(n)} - alive)
         if lost:
             gone = sorted(n[:12] for g in lost for n in set(self.pinned[g]) - alive)
             if self.grid.layout == "host-local":
@@ -733,7 +737,12 @@ class JobRuns:
         held = {n for g in self.running for n in self.pinned.get(g, ())}
         placed = self.place(sorted(self.waiting), held)
         placed = {g: p for g, p in placed.items() if g in self.waiting}
-        if not placed or (self.grid.layout == "host-local" and len(placed) < len(self.waiting)):
+        host_local = self.grid.layout == "host-local"
+        if (not placed or host_local and len(placed) < len(self.waiting)) and not self._ahead_open():
+            # no live node can take them: started now, to land on the node that joins next (one inter-host
+            # group at a time, so two never share it)
+            return self._start_ahead(sorted(self.waiting) if host_local else [min(self.waiting)], alive)
+        if not placed or (host_local and len(placed) < len(self.waiting)):
             if not self._said_wait:
                 say("host-local: waiting for nodes that hold every replica group whole"
                     if self.grid.layout == "host-local" else
@@ -742,6 +751,44 @@ class JobRuns:
             return []
         self.pinned.update(placed)
         return self._start(sorted(placed))
+
+    def _start_ahead(self, groups: list[int], alive: set[str]) -> list[tuple[Any, threading.Event, int]]:
+        """No live node can take `groups`' lost shard positions: their runs start now, their
+        positions on live nodes pinned there and the others to a node that is not alive now (`!in(`
+        every alive node id `)`), so the controllers and Ray Train's actors start while the job
+        waits for a node, and the positions land on the one that joins (host-local: every group's
+        lost position on that one node; inter-host: the group, on nodes no other group uses)."""
+        ahead = f"!in({','.join(sorted(alive))})"
+        for g in groups:
+            self.pinned[g] = [n if n in alive else ahead for n in self.pinned.get(g, [ahead] * self.grid.group_size)]
+        self._known = set(alive)
+        say(f"{self.grid.layout}: sharding group(s) {groups} start now and wait for a node to replace the lost one")
+        return self._start(groups)
+
+    def _ahead_open(self) -> bool:
+        """Whether a position started ahead has not yet been seen on a node (`_resolve`)."""
+        return any(_ahead(n) for g in self.running for n in self.pinned.get(g, ()))
+
+    def _resolve(self, alive: set[str]) -> None:
+        """Name the node that took the positions started ahead (`_start_ahead`), once one has: the
+        one node that joined since, or where job control says the positions' new workers run."""
+        open_ = [(g, s) for g, ps in self.pinned.items() for s, n in enumerate(ps) if _ahead(n)]
+        new = alive - self._known
+        if not open_ or not new:
+            return
+        import ray
+
+        where: dict[int, str] = {}
+        if len(new) > 1 and self.control is not None:
+            try:
+                for a in ray.get(self.control.status.remote(), timeout=10)["attempts"]:
+                    where.update({int(r): w["node"] for r, w in a["workers"].items()})
+            except Exception:  # noqa: BLE001 - asked again at the next poll
+                return
+        for g, s in open_:
+            node = next(iter(new)) if len(new) == 1 else where.get(self.grid.global_rank(g, s))
+            if node in new:
+                self.pinned[g][s] = node
 
     def _end(self, groups: set[int]) -> None:
         """End the owners of `groups` (each owner's runs are retired: not failures)."""
@@ -762,6 +809,11 @@ class JobRuns:
         """End every run it holds (those ended here are not failures)."""
         self._end(set(self.running))
         self.waiting.clear()
+
+
+def _ahead(position: str) -> bool:
+    """Whether a pinned position is a selector for a node to come (`JobRuns._start_ahead`), not a node id."""
+    return position.startswith("!in(")
 
 
 class HolderMeter:

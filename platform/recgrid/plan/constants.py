@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from recgrid.config import CHECKPOINT_EVERY_S  # noqa: F401 - the job's derived cadence (config.py's), priced here
+
 GB = 1e9  # the decimal gigabyte NVIDIA and nccl-tests quote bandwidths and capacities in
 
 
@@ -348,7 +350,6 @@ SNAPSHOT_COPY_BANDWIDTH = 4.94e9  # simulate.json snapshot_copy.bandwidth, bytes
 DEMO_SHARD_BYTES = 2842046 / 2  # checkpoint_cost.json runs.derived.newest_checkpoint_bytes over its L = 2 positions
 SNAPSHOT_COST_S = DEMO_SHARD_BYTES / SNAPSHOT_COPY_BANDWIDTH
 # Cadences the simulation assumes (policy, not measurement): a storage checkpoint every 30 minutes of
-# training (the job's derived time budget), a snapshot every 60 s (a stand-in for the job's derived
-# interval: at most 2% of the step time, a bounded number of syncs apart).
-CHECKPOINT_EVERY_S = 1800.0
+# training (the job's derived time budget, decided in config.py), a snapshot every 60 s (a stand-in for
+# the job's derived interval: at most 2% of the step time, a bounded number of syncs apart).
 SNAPSHOT_EVERY_S = 60.0

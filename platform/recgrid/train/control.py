@@ -253,8 +253,8 @@ class LazyActor:
     """`ray.remote` applied to `cls` on first use, so importing a module that defines actors needs
     no Ray. Bookkeeping and memory copies: no CPU reserved, so they never wait behind training."""
 
-    def __init__(self, cls: type) -> None:
-        self.cls, self.actor = cls, None
+    def __init__(self, cls: type, max_concurrency: int = 4) -> None:
+        self.cls, self.actor, self.max_concurrency = cls, None, max_concurrency
 
     def options(self, **kw: Any) -> Any:
         return self._get().options(**kw)
@@ -266,7 +266,7 @@ class LazyActor:
         if self.actor is None:
             import ray
 
-            self.actor = ray.remote(num_cpus=0, max_concurrency=4)(self.cls)
+            self.actor = ray.remote(num_cpus=0, max_concurrency=self.max_concurrency)(self.cls)
         return self.actor
 
 

@@ -190,7 +190,12 @@ def train_group_worker(cfg: dict) -> None:
         fallback.maybe_save(step, writes=replicas.evaluates())
 
     after_step = [progress.note, checkpoint, report.step] + ([snapshotter.maybe_snapshot] if snapshotter else [])
-    hooks = FitHooks(on_log=report.log, on_batch=rows.on_batch if rows else None,
+    def log(values: dict[str, float], step: int) -> None:
+        if snapshotter is not None:  # this worker's snapshots so far (its group's while it writes them)
+            values = {**values, "snapshot/count": float(snapshotter.snapshots)}
+        report.log(values, step)
+
+    hooks = FitHooks(on_log=log, on_batch=rows.on_batch if rows else None,
                      after_step=after_step, stop_requested=StopPoll(control))
     try:
         trainer.fit(data, job.loop, eval_data, hooks)

@@ -24,6 +24,7 @@ class RecoveryCoordinatorImpl:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._lock = threading.Lock()
+        self._planning = threading.Lock()  # one restore plan at a time (`restore_plan`)
         self.holders: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []  # restores, in order
         self.checkpoints: list[tuple[int, str]] = []  # storage checkpoints written, (step, path)
@@ -66,6 +67,10 @@ class RecoveryCoordinatorImpl:
         checked against the checksum it arrived with (`SnapshotHolderImpl.verify`); a corrupted
         one is dropped and the plan made again without it (another node's copy of the key, an
         older generation, else none: the storage checkpoint). `corrupt` says what was dropped."""
+        with self._planning:  # the groups restoring at once plan one after another, over the same holders
+            return self._restore_plan(group_size)
+
+    def _restore_plan(self, group_size: int) -> dict[str, Any]:
         import ray
 
         lost: list[str] = []
@@ -77,7 +82,7 @@ class RecoveryCoordinatorImpl:
                     inventories[node] = ray.get(holder.inventory.remote(), timeout=10)
                 except Exception:  # noqa: BLE001 - the node is gone, and its copies with it
                     lost.append(node)
-                    del self.holders[node]
+                    self.holders.pop(node, None)
             plan = plan_restore(inventories, group_size, lost)
             if plan["step"] is None:
                 break

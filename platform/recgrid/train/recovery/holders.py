@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from recgrid.train.trainer import Trainer
 
 KEEP_GENERATIONS = 2  # the newest complete generation and the one being written
+KEEP_TIMEOUT_S = 120  # how long a holder waits for the other host's holder to keep its copy
 
 
 def plan_restore(inventories: dict[str, dict[int, list[str]]], group_size: int,
@@ -145,8 +146,22 @@ class SnapshotHolderImpl:
         arrays = _arrays(payload)
         checksum = digest(arrays)  # of the bits as they arrived, before the copy
         held = [ray.put(payload)]  # the copy, owned here, outside the lock (a list: kept a reference)
-        if self._hold(step, key, held, checksum, sum(int(a.nbytes) for a in arrays)) and keeper is not None:
-            keeper.keep.remote(step, key, held, checksum, self.node_id)
+        if self._hold(step, key, held, checksum, sum(int(a.nbytes) for a in arrays)):
+            self._forward(keeper, step, key, held, checksum)
+
+    def _forward(self, keeper: Any, step: int, key: str, held: list, checksum: str) -> None:
+        """Have `keeper` keep a copy, and wait until it has (so a writer that waits for this call
+        knows its snapshot is on two hosts: the next one starts only then). A keeper that cannot
+        (its host is gone) is said, not raised: this host's copy stands."""
+        import ray
+
+        if keeper is None:
+            return
+        try:
+            ray.get(keeper.keep.remote(step, key, held, checksum, self.node_id), timeout=KEEP_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the other host failed; the restore then finds what is left
+            print(f"[recgrid] the copy of {key}@{step} for another host was not kept there: {type(e).__name__}",
+                  file=sys.stderr, flush=True)
 
     def put_many(self, step: int, payload: dict[str, Any], keeper: Any = None) -> None:
         for key, value in payload.items():
@@ -209,8 +224,7 @@ class SnapshotHolderImpl:
             self.generations[step][key] = {**slot, "layout": layout}
             self.digests[(step, key)] = checksum
             self.sizes[(step, key)] = sum(int(a.nbytes) for a in arrays)
-        if keeper is not None:
-            keeper.keep.remote(step, key, [ray.put(arrays)], checksum, self.node_id)
+        self._forward(keeper, step, key, [ray.put(arrays)], checksum)
 
     def inventory(self) -> dict[int, list[str]]:
         return {step: sorted(keys) for step, keys in self.generations.items()}
@@ -297,7 +311,9 @@ def _arrays(payload: Any) -> list[np.ndarray]:
     return []
 
 
-SnapshotHolder = LazyActor(SnapshotHolderImpl)
+# every worker of a host may wait in a call of its holder while that holder's copy is kept on the next
+# host, whose own workers' calls must still be served: threads for all of them
+SnapshotHolder = LazyActor(SnapshotHolderImpl, max_concurrency=64)
 
 
 # ---- on every worker ------------------------------------------------------------------------------------
@@ -358,6 +374,7 @@ class Snapshotter(_WorkerSide):
         self._next_slot: dict[str, int] = {}  # key -> the slot its next snapshot writes (asked once, then alternating)
         self.snapshots, self.last_step = 0, None
         self.seconds: list[float] = []  # each snapshot's time on this worker's step path
+        self._asked: tuple[Any, Any] = (None, None)  # `prepare`'s calls to the holder, answered at the first snapshot
         self._sync_at: float | None = None
         self._sync_s: float | None = None  # the newest sync interval's seconds (the cadence's measure)
         if self.enabled:
@@ -425,6 +442,7 @@ class Snapshotter(_WorkerSide):
         holders check and forward them while training goes on."""
         import ray
 
+        self._prepared()
         snap = self.trainer.snapshot(copy=False)  # views: copied below, before the next step changes them
         step = snap.progress["step"]
         self._settle()
@@ -444,23 +462,34 @@ class Snapshotter(_WorkerSide):
         self.snapshots += 1
 
     def prepare(self) -> None:
-        """Before training: have the host's holder create this worker's two slot files (when it
-        sends its shard position's copy) and map them here, so snapshots only copy."""
+        """Before training, without waiting: have the host's holder (made now if this host has none:
+        a process start, off a rebuilt group's first step) create this worker's two slot files when
+        it sends its shard position's copy; the first snapshot maps them (`_prepared`)."""
+        self._asked = (self.holder.why_no_shared_memory.remote() if self.say is not None and self.sends_job_state()
+                       else None,
+                       self.holder.allocate.remote(f"shard/{self.groups.coords.shard_rank}",
+                                                   shard_layout(self.trainer.shard_tensors())[1])
+                       if self.sends_shard() else None)
+
+    def _prepared(self) -> None:
+        """The holder's answers to `prepare`: why it keeps no slot files (said once per host), and this
+        worker's slot files, mapped here, so snapshots only copy."""
         import ray
 
-        if self.say is not None and self.sends_job_state():  # one worker per host says why its holder has no files
-            problem = ray.get(self.holder.why_no_shared_memory.remote())
+        problem_ref, paths_ref = self._asked
+        self._asked = (None, None)
+        if problem_ref is not None:
+            problem = ray.get(problem_ref)
             if problem:
                 self.say(problem)
-        if not self.sends_shard():
-            return
-        key = f"shard/{self.groups.coords.shard_rank}"
-        _, nbytes = shard_layout(self.trainer.shard_tensors())
-        paths = ray.get(self.holder.allocate.remote(key, nbytes))
-        if paths:
-            self._slots[key] = paths
-            for path in paths:
-                self._map(path, nbytes)
+        if paths_ref is not None:
+            paths = ray.get(paths_ref)
+            if paths:
+                key = f"shard/{self.groups.coords.shard_rank}"
+                _, nbytes = shard_layout(self.trainer.shard_tensors())
+                self._slots[key] = paths
+                for path in paths:
+                    self._map(path, nbytes)
 
     def _map(self, path: str, nbytes: int) -> "torch.Tensor":
         """The slot file at `path` as a writable uint8 tensor (mapped once per attempt, page-locked
