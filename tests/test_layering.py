@@ -6,7 +6,9 @@ Walks every module of `recgrid` with `ast` (no import runs) and fails on:
 - an import across the layers: `engine/` imports nothing of recgrid but itself and `data/specs`
   (the tables it builds, QR-compressed ones included);
   `data/` never imports `train/` or `launch/`; `train/` never imports `launch/`; the modules at
-  the package's top that both `train/` and `launch/` use (tracking, logs, config) import neither.
+  the package's top that both `train/` and `launch/` use (tracking, logs, config) import neither;
+- an import circle among recgrid's modules (every import counts: module-level, function-local,
+  under `TYPE_CHECKING`).
 """
 
 from __future__ import annotations
@@ -99,8 +101,57 @@ def violations() -> list[str]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """recgrid module -> the recgrid modules it imports (a name imported from a module: that module)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[name] = {f"{mod}.{item}" if item is not None and is_module(f"{mod}.{item}") else mod
+                       for _, mod, item in imports(tree, name)} - {name}
+    return graph
+
+
+def circles() -> list[list[str]]:
+    """The import circles of the package: its strongly connected components of more than one module
+    (Tarjan's algorithm), each sorted."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_no_private_imports_and_layers_hold() -> None:
     assert violations() == []
+
+
+def test_no_import_circle() -> None:
+    assert circles() == []
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -120,6 +171,19 @@ def test_the_walker_finds_what_it_must(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy / "recgrid")
     found = violations()
     assert any("planted.py" in v and expected in v for v in found), found
+
+
+def test_the_circle_finder_finds_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: two planted modules importing each other (one in a function) are a circle."""
+    import shutil
+
+    copy = tmp_path / "platform"
+    shutil.copytree(PACKAGE, copy / "recgrid", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "recgrid" / "engine" / "planted_a.py").write_text("from recgrid.engine import planted_b\n")
+    (copy / "recgrid" / "engine" / "planted_b.py").write_text("def f():\n    from recgrid.engine.planted_a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", copy)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy / "recgrid")
+    assert ["recgrid.engine.planted_a", "recgrid.engine.planted_b"] in circles()
 
 
 def test_the_readme_repository_map_names_every_module() -> None:

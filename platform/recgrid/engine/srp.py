@@ -54,8 +54,6 @@ if TYPE_CHECKING:  # torch is heavy; config validation imports ROW_WISE_EXCHANGE
     import torch
     import torch.distributed as dist
 
-    from recgrid.engine.sptt import ExchangeMeter
-
 # model.row_wise_exchange: "dense" = TorchRec's reduce-scatter, "sparse" = SRP. config.py reads
 # its choices from here.
 ROW_WISE_EXCHANGES: tuple[str, ...] = ("dense", "sparse")
@@ -211,7 +209,7 @@ def _dist_class() -> type:
         def __init__(self, pg: "dist.ProcessGroup", embedding_dims: list[int], masks: _Masks) -> None:
             super().__init__(pg, embedding_dims=embedding_dims)
             self.masks = masks
-            self.meter: "ExchangeMeter | None" = None  # set by sptt.exchange_meter
+            self.meter: Any = None  # an engine.exchange.ExchangeMeter, set by exchange.exchange_meter
             self.ranks = dist.get_process_group_ranks(pg)
 
         def forward(self, local_embs: "torch.Tensor", sharding_ctx: Any = None) -> Any:  # type: ignore[override]

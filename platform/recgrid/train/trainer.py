@@ -381,7 +381,7 @@ class Trainer:
         self.metrics = TrainMetrics(window_steps=config.ne_window_steps, device=device, imbalance_phase="lookup_kernel",
                                     deferred=self.pipelined)
         attach_lookup_timers(self.metrics.timer, self.model)
-        from recgrid.engine.sptt import exchange_meter
+        from recgrid.engine.exchange import exchange_meter
 
         self.exchange = exchange_meter(self.model, grid, self.rank)  # bytes and world sizes of the exchange
         self._lookup_before = 0.0  # the interval's lookup seconds before the current step
