@@ -239,7 +239,8 @@ def one_worker_step(spec_name: str, batch: int, sharding: str, start_at: float, 
     from recgrid.engine.model import ModelSpec
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     spec = get_spec(spec_name)
     config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(), sharding=sharding, lr=0.05)

@@ -203,7 +203,8 @@ def study_worker(configs: list[RunConfig], seeds: list[int], setting: Setting, h
 
     from recgrid.config import defaults
     from recgrid.data.stream import memory_batches
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     rank = dist.get_rank()
     spec = get_spec(setting.spec)

@@ -167,7 +167,8 @@ def _qps_worker(cfg: dict) -> None:
     from recgrid.data.units import DataCursor, EpochPlan
     from recgrid.engine.grid import Grid
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     ctx = ray.train.get_context()
     torch.set_num_threads(1)

@@ -73,7 +73,8 @@ def loop_probe(device: torch.device, M: int, steps: int) -> dict:
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     T, rank = dist.get_world_size(), dist.get_rank()
     grid = Grid(T, M)
@@ -143,7 +144,8 @@ def fp16_probe(device: torch.device, steps: int) -> dict:
     is never trained; it must come out of `steps` syncs bit-identical to where it started."""
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     T, rank = dist.get_world_size(), dist.get_rank()
     spec = SMALL
@@ -188,7 +190,8 @@ def check_fp16_untouched_rows_unchanged(a: argparse.Namespace, T: int) -> dict:
 # ---- memory at start-up -----------------------------------------------------------------------------
 def memory_probe(device: torch.device, M: int, rows_cap: int) -> dict:
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     T = dist.get_world_size()
     spec = get_spec("criteo_kaggle", rows_cap)
@@ -402,7 +405,8 @@ def check_snapshot_to_host_memory(a: argparse.Namespace, T: int) -> dict:
     from recgrid.train.recovery import holders, slots
     from recgrid.train.recovery.coordinator import RecoveryCoordinator
     from recgrid.train.recovery.storage import StorageFallback
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -471,7 +475,8 @@ def eval_probe(device: torch.device, eval_glob: str, steps: int) -> dict:
     from recgrid.launch.smoke import random_batches
     from recgrid.train.metrics import EvalMetrics, reduce_metrics
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, EvalData, Trainer
+    from recgrid.train.trainer import EvalData, Trainer
+    from recgrid.trainer_config import EngineConfig
 
     T, rank = dist.get_world_size(), dist.get_rank()
     t = Trainer.build(Grid(T, 1), EngineConfig.from_job(defaults(), spec=SMALL, seed=3, precision="bf16"), device)
@@ -533,7 +538,8 @@ def qps_probe(device: torch.device, loop: str, precision: str, batch: int, steps
 
     if loop == "recgrid":
         from recgrid.config import defaults
-        from recgrid.train.trainer import EngineConfig, Trainer
+        from recgrid.train.trainer import Trainer
+        from recgrid.trainer_config import EngineConfig
 
         t = Trainer.build(Grid(T, M), EngineConfig.from_job(defaults(), spec=spec, model=MLPERF, seed=3, precision=precision), device)
         t.run(itertools.cycle(pool), warmup)

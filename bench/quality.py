@@ -188,7 +188,8 @@ def study_worker(M: int, configs: list[RunConfig], seeds: list[int], setting: Se
     from recgrid.engine.model import ModelSpec
     from recgrid.engine.sync import embedding_weights
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     rank = dist.get_rank()
     spec = get_spec(setting.spec)

@@ -36,7 +36,8 @@ def _run_pair(spec_name: str, steps: int, batch: int, seed: int) -> dict:
     from recgrid.data.specs import get_spec
     from recgrid.data.stream import synthetic_batches
     from recgrid.engine.grid import Grid
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     spec = get_spec(spec_name)
     T, rank = dist.get_world_size(), dist.get_rank()

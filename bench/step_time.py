@@ -33,7 +33,8 @@ from recgrid.data.specs import get_spec
 def bench_worker(grid: Grid, sync_every: int, steps: int, warmup: int, batch_size: int, spec_name: str,
                  sharding: str) -> dict:
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     spec = get_spec(spec_name)
     config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(), sync_every=sync_every, sharding=sharding, lr=0.05)  # c = M

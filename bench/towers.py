@@ -38,7 +38,8 @@ def run_configs(configs: list[dict], data: str, eval_data: str, spec_name: str, 
     from recgrid.engine.grid import Grid
     from recgrid.engine.towers import TowerConfig
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
+    from recgrid.train.trainer import EvalData, FitHooks, TrainData, Trainer
+    from recgrid.trainer_config import EngineConfig, LoopConfig
 
     spec = get_spec(spec_name)
     rank, T = dist.get_rank(), dist.get_world_size()

@@ -19,7 +19,7 @@ QR_HEAD = "qr_head"  # sync_probe's name for a QR-compressed model with a head c
 
 def _config(grid, sharding, sync_every, delayed=False, dim=None):
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     return EngineConfig.from_job(defaults(), 
         spec=SPEC, model=ModelSpec(embedding_dim=dim),

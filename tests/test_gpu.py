@@ -71,7 +71,7 @@ def test_unknown_precisions_are_refused():
 
 def test_engine_config_carries_precision_and_table_dtype():
     from recgrid.engine.device import resolve_precision
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     e = EngineConfig.from_job(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))
     assert e.precision == "bf16" and e.model.embedding_dtype == "fp16"
@@ -203,7 +203,8 @@ def _fit_probe(train_dir: str, eval_dir: str) -> dict:
     from recgrid.data.stream import scan_inputs
     from recgrid.data.units import EpochPlan
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, EvalData, FitHooks, LoopConfig, TrainData, Trainer
+    from recgrid.train.trainer import EvalData, FitHooks, TrainData, Trainer
+    from recgrid.trainer_config import EngineConfig, LoopConfig
 
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
@@ -312,7 +313,8 @@ def _run_probe() -> dict:
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     engine = EngineConfig.from_job(defaults(), spec=SPEC, sharding="row_wise", seed=4)
     batches = list(itertools.islice(random_batches(SPEC, 32, seed=dist.get_rank()), 12))
@@ -443,7 +445,8 @@ def _gpu_losses(device, steps: int) -> dict:
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2, precision="fp32")  # IEEE fp32 matmuls: comparable losses
     batches = list(itertools.islice(random_batches(SPEC, 256, seed=0), steps))
@@ -474,7 +477,8 @@ def _gpu_fit(device, train_dir: str, steps: int, log_every: int) -> dict:
     from recgrid.data.stream import scan_inputs
     from recgrid.data.units import EpochPlan
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, TrainData, Trainer
+    from recgrid.train.trainer import FitHooks, TrainData, Trainer
+    from recgrid.trainer_config import EngineConfig, LoopConfig
 
     engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2)  # the default precision: tf32 on CUDA
     t = Trainer.build(Grid(1, 1), engine, device)
@@ -531,7 +535,8 @@ def _gpu_mixed(device, steps: int) -> dict:
     from recgrid.engine.sync import embedding_weights, optimizer_states
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     engine = EngineConfig.from_job(defaults(), spec=SPEC, model=ModelSpec(embedding_dtype="fp16"), seed=2, precision="bf16")
     t = Trainer.build(Grid(1, 1), engine, device)
@@ -560,7 +565,8 @@ def _gpu_two_groups(device, steps: int) -> dict:
     from recgrid.engine.sharding import watch_forwards
     from recgrid.launch.smoke import random_batches
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     engine = EngineConfig.from_job(defaults(), spec=SPEC, seed=2, precision="fp32", sync_every=2)
     batches = list(itertools.islice(random_batches(SPEC, 256, seed=dist.get_rank()), steps))

@@ -470,7 +470,8 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
     from recgrid.train.checkpoint import Checkpointer
     from recgrid.train.control import JobControl
     from recgrid.train.recovery.storage import StorageFallback
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     spec = get_spec("tiny")
     engine = EngineConfig.from_job(defaults(), spec=spec, sync_every=2, seed=5, dense_optimizer="adam")

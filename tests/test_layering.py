@@ -6,7 +6,8 @@ Walks every module of `recgrid` with `ast` (no import runs) and fails on:
 - an import across the layers: `engine/` imports nothing of recgrid but itself and `data/specs`
   (the tables it builds, QR-compressed ones included);
   `data/` never imports `train/` or `launch/`; `train/` never imports `launch/`; the modules at
-  the package's top that both `train/` and `launch/` use (tracking, logs, config) import neither;
+  the package's top that both `train/` and `launch/` use (tracking, logs, config, trainer_config)
+  import neither; `plan/` imports nothing of `train/` or `launch/`;
 - an import circle among recgrid's modules (every import counts: module-level, function-local,
   under `TYPE_CHECKING`).
 """
@@ -33,6 +34,8 @@ FORBIDDEN = {
     "recgrid.tracking": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
     "recgrid.logs": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
     "recgrid.config": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+    "recgrid.trainer_config": ("recgrid.train", "recgrid.launch", "recgrid.cli", "recgrid.plan"),
+    "recgrid.plan": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
 }
 
 

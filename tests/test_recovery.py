@@ -127,7 +127,7 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
 # ---- snapshots and storage checkpoints on real gloo process groups -------------------------------------
 def _engine(grid, delayed=False, compression=None, **overrides):
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto",
                                  seed=5, **overrides).with_compression(compression)

@@ -21,7 +21,8 @@ def srp_vs_dense(steps: int, sync_every: int) -> dict:
     from recgrid.config import defaults
     from recgrid.data.stream import synthetic_batches
     from recgrid.engine.sync import embedding_weights, optimizer_states
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     T, rank = dist.get_world_size(), dist.get_rank()
     out = {}

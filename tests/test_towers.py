@@ -26,7 +26,7 @@ STEPS = 20
 def _config(towers=None, sync_every=5, spec=SPEC, arch="dlrm", sharding="auto"):
     from recgrid.engine.model import ModelSpec
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     return EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(arch=arch), lr=0.05, sync_every=sync_every, seed=7, towers=towers,
                         sharding=sharding)

@@ -329,7 +329,7 @@ def job_plan(config: JobConfig, engine: Any = None) -> Any:
     from recgrid.engine.sharding import make_plan
     from recgrid.plan.planner import job_sharding_plan
 
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     engine = engine or EngineConfig.from_job(config)
     grid = config.build_grid()
@@ -416,7 +416,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.engine.sharding import shard_position_bytes
     from recgrid.train.recovery.coordinator import RecoveryCoordinator
     from recgrid.train.recovery.slots import remove_snapshot_files
-    from recgrid.train.trainer import EngineConfig, LoopConfig
+    from recgrid.trainer_config import EngineConfig, LoopConfig
     from recgrid.train.entry import group_worker, pack
     from recgrid.train.recovery.peers import Lighthouse, bind_host
     from recgrid.train.worker import WorkerJob

@@ -55,7 +55,8 @@ def smoke_worker(grid: Grid, steps: int, sync_every: int, sharding: str, batch_s
     from recgrid.engine.sync import embedding_weights, optimizer_states
     from recgrid.engine.sharding import sharding_summary
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer, dense_parameters
+    from recgrid.train.trainer import Trainer, dense_parameters
+    from recgrid.trainer_config import EngineConfig
 
     config = EngineConfig.from_job(defaults(), 
         spec=get_spec("tiny"),

@@ -35,7 +35,8 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
     from recgrid.engine.grid import Grid
     from recgrid.engine.model import ModelSpec
     from recgrid.config import defaults
-    from recgrid.train.trainer import EngineConfig, Trainer
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
 
     spec = get_spec(spec_name)
     inputs = scan_inputs(data, spec)

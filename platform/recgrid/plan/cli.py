@@ -70,7 +70,7 @@ def job_inputs(args: argparse.Namespace):
     """--config: the job's model, cluster, sync intervals and own candidate."""
     from recgrid.config import ConfigError, load_config
     from recgrid.engine.model import build_model
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     try:
         config = load_config(args.config, getattr(args, "set", []))

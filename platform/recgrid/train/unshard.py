@@ -64,7 +64,7 @@ def checkpoint_compression(path: str, config: "JobConfig") -> Any:
 def build_unsharded(config: "JobConfig", compression: Any, info: dict[str, Any]) -> "UnshardedDLRM":
     """The job's model, unsharded on the CPU with its tables allocated (weights as built: load
     a checkpoint into it), as an `UnshardedDLRM`."""
-    from recgrid.train.trainer import EngineConfig
+    from recgrid.trainer_config import EngineConfig
 
     engine = EngineConfig.from_job(config).with_compression(compression)
     return unsharded_model(engine.spec, engine.model, info, seed=config.train.seed)

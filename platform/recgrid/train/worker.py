@@ -28,7 +28,8 @@ from recgrid.engine.sync import sync_step
 from recgrid.train.control import Heartbeat, StopPoll
 from recgrid.train.recovery.events import RecoveryEvents
 from recgrid.train.rows import RowLog
-from recgrid.train.trainer import EngineConfig, FitHooks, LoopConfig, Trainer
+from recgrid.train.trainer import FitHooks, Trainer
+from recgrid.trainer_config import EngineConfig, LoopConfig
 
 START_WAIT_S = 120  # torchft's first start: how long the sharding groups wait for each other, so the first quorum has all of them
 
