@@ -291,7 +291,7 @@ served_alone = sorted(m for m in sys.modules if m.split(".")[0] in ("recgrid", "
 from recgrid.launch.model import load_model
 model = load_model(sys.argv[1])
 alone = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "recgrid.train.trainer", "recgrid.train.worker")))
-from recgrid.train.unshard import evaluate_files, model_spec
+from recgrid.launch.unshard import evaluate_files, model_spec
 mine = evaluate_files(model, sys.argv[2:], model_spec(model))
 from recgrid.cli import main
 out = io.StringIO()

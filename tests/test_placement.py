@@ -6,7 +6,7 @@ host loss under both layouts), is tested in tests/test_recovery_nodes.py."""
 
 
 def test_node_slots_count_the_workers_each_alive_node_can_hold():
-    from recgrid.train.placement import node_slots, rank_records
+    from recgrid.launch.placement import node_slots, rank_records
 
     nodes = [
         {"NodeID": "a" * 56, "Alive": True, "NodeManagerAddress": "10.0.0.1",
@@ -27,7 +27,7 @@ def test_node_slots_count_the_workers_each_alive_node_can_hold():
 
 
 def test_host_local_pins_each_replica_group_to_one_node_or_whole_nodes_of_its_own():
-    from recgrid.train.placement import NODE_ID_LABEL, host_local_nodes, label_selectors
+    from recgrid.launch.placement import NODE_ID_LABEL, host_local_nodes, label_selectors
 
     def node(name, cpus, alive=True):
         return {"NodeID": name, "Alive": alive, "Resources": {"CPU": cpus}}
@@ -48,7 +48,7 @@ def test_host_local_pins_each_replica_group_to_one_node_or_whole_nodes_of_its_ow
 
 
 def test_inter_host_gives_each_group_nodes_of_its_own_and_holders_keep_another_hosts_copy():
-    from recgrid.train.placement import holder_bytes, inter_host_nodes, positions_by_node
+    from recgrid.launch.placement import holder_bytes, inter_host_nodes, positions_by_node
     from recgrid.train.recovery.holders import ring_keeper
 
     def node(name, cpus, alive=True):

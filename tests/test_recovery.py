@@ -348,7 +348,7 @@ def train_and_checkpoint(root: str) -> dict:
 
 def test_a_checkpoint_unshards_into_one_plain_module_that_predicts_as_the_trainer(tmp_path):
     """Issue 30: a storage checkpoint of a T=4, M=2 job with QR and a head cache, read whole in one
-    process without a process group (`train.unshard.from_checkpoint`), is an ordinary module over
+    process without a process group (`launch.unshard.from_checkpoint`), is an ordinary module over
     plain TorchRec tables that maps the raw ids itself: on every rank's held-out batch its logits
     are the sharded trainer's (1e-5), and pickled and loaded again it needs no recgrid trainer."""
     import pickle
@@ -356,7 +356,7 @@ def test_a_checkpoint_unshards_into_one_plain_module_that_predicts_as_the_traine
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from recgrid.config import load_config
-    from recgrid.train.unshard import from_checkpoint
+    from recgrid.launch.unshard import from_checkpoint
 
     ranks = run_local(train_and_checkpoint, 4, str(tmp_path))
     config = load_config(None, ["data.spec=tiny", "data.train=none/*.parquet", "model.compression=qr",

@@ -223,7 +223,7 @@ def recgrid_model(tmp_path_factory):
     """A model directory as recgrid writes it (a tiny spec, untrained) and a raw file to evaluate on."""
     from recgrid.config import load_config
     from recgrid.launch.model import save_model_dir
-    from recgrid.train.unshard import build_unsharded
+    from recgrid.launch.unshard import build_unsharded
 
     tmp = tmp_path_factory.mktemp("model")
     config = load_config(None, ["data.spec=tiny", "data.train=none/*.parquet"], check_paths=False)

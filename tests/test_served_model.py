@@ -1,7 +1,7 @@
 """A job's model as MLflow serves it (launch/served.py, launch/model.py): raw rows in, click
 probabilities out, equal to `recgrid eval`'s; bad values refused naming their row and column.
 
-Models here are built unsharded with random tables (`train.unshard.build_unsharded`, no job, no Ray)
+Models here are built unsharded with random tables (`launch.unshard.build_unsharded`, no job, no Ray)
 and saved as `recgrid export` saves them; `recgrid eval` runs on a raw TSV file of synthetic rows and
 the served model on the DataFrame `pandas.read_csv` gives of the same file. The same model served
 from a virtualenv without recgrid, over HTTP, is tests/test_served_venv.py.
@@ -27,7 +27,7 @@ def random_model(overrides: list[str], seed: int = 0):
     """An unsharded model of `overrides` (a job's config keys), its tables drawn N(0, 0.5) so every id's
     row tells; a head cache gets 4 ids of each compressed feature, the first one the rows below use."""
     from recgrid.config import load_config
-    from recgrid.train.unshard import build_unsharded
+    from recgrid.launch.unshard import build_unsharded
 
     config = load_config(None, TINY + overrides, check_paths=False)
     compression = config.compression()
@@ -80,7 +80,7 @@ def test_the_served_model_scores_raw_rows_as_recgrid_eval_does(tmp_path, overrid
     import mlflow.pyfunc
 
     from recgrid.launch.model import save_model_dir
-    from recgrid.train.unshard import model_spec
+    from recgrid.launch.unshard import model_spec
 
     model = random_model(overrides)
     save_model_dir(model, str(tmp_path / "model"))
@@ -130,7 +130,7 @@ def test_a_40m_row_tables_ids_above_2_24_and_its_head_ids_reach_their_own_rows(t
 
     from recgrid.config import load_config
     from recgrid.launch.model import save_model_dir
-    from recgrid.train.unshard import build_unsharded
+    from recgrid.launch.unshard import build_unsharded
 
     config = load_config(None, ["data.spec=criteo_1tb", "data.train=none/*.parquet", "model.embedding_dim=16",
                                 "model.compression=qr", "model.qr_threshold_rows=2000", "model.qr_collisions=8192",
@@ -201,7 +201,7 @@ def served(tmp_path_factory):
     import mlflow.pyfunc
 
     from recgrid.launch.model import save_model_dir
-    from recgrid.train.unshard import model_spec
+    from recgrid.launch.unshard import model_spec
 
     tmp = tmp_path_factory.mktemp("served")
     model = random_model([])

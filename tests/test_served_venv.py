@@ -71,7 +71,7 @@ def test_a_registered_model_served_without_recgrid_answers_raw_rows_as_recgrid_e
 
     from recgrid.launch.model import model_files
     from recgrid.tracking import Tracker
-    from recgrid.train.unshard import model_spec
+    from recgrid.launch.unshard import model_spec
 
     t0 = time.perf_counter()
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

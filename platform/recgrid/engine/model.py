@@ -80,7 +80,7 @@ def embedding_tables(spec: DatasetSpec, embedding_dim: int, dtype: str = "fp32")
 def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0,
                 dense_device: "torch.device | None" = None, tables_device: "torch.device | None" = None) -> "DLRMTrain":
     """An unsharded DLRMTrain whose tables live on the meta device (sharding materialises them), or
-    on `tables_device`, allocated there (an unsharded model to load a checkpoint into: `train.unshard`).
+    on `tables_device`, allocated there (an unsharded model to load a checkpoint into: `launch.unshard`).
 
     The dense part is initialised from `seed`, so every worker starts with the same dense weights.
     With `model.compression` the large tables are QR-compressed (`engine.compression`): the sparse

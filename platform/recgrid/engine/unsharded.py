@@ -111,7 +111,7 @@ class UnshardedDLRM(nn.Module):
     """A trained DLRM as one module (the module docstring): `forward(dense, sparse)` gives `[B]`
     logits. `model` is TorchRec's DLRM or DLRM_DCN whose sparse arch is an `UnshardedSparseArch`;
     `info` records what it was trained as (dataset spec, architecture, compression settings, the
-    job's run and step: `train.unshard.model_record`, from which it is rebuilt)."""
+    job's run and step: `launch.unshard.model_record`, from which it is rebuilt)."""
 
     def __init__(self, model: nn.Module, features: Sequence[str], num_dense: int, info: dict) -> None:
         super().__init__()

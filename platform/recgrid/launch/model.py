@@ -3,7 +3,7 @@
 The model is an MLflow pyfunc "model from code" (`launch/served.py`, which MLflow runs where it loads
 or serves the model: MLflow, torch, numpy and pandas, not recgrid, Ray or TorchRec) over two artifacts:
 `weights.pt`, the unsharded model's `state_dict()` as plain tensors, and `architecture.json`, what
-recgrid builds the model from (`train.unshard.model_record`) and the served form's plain layout of
+recgrid builds the model from (`launch.unshard.model_record`) and the served form's plain layout of
 it (`engine.unsharded.served_layout`); `code/recgrid_transforms.py` is `data/transforms.py`, so a
 served model applies training's own transforms to raw rows. Why not pickle the module (MLflow's
 pytorch flavor) or a `torch.export` program: a pickle runs code where it is read and needs recgrid
@@ -12,7 +12,7 @@ that torch alone loads; a few plain matrix products over named weights do.
 
 `log_job_model` logs a finished job's model (its final storage checkpoint, unsharded) into its
 run. `recgrid export CHECKPOINT --config JOB.yaml --out DIR` writes the model of a storage
-checkpoint (`train.unshard.from_checkpoint`: any T, M and L), `recgrid export MODEL --out DIR` that
+checkpoint (`launch.unshard.from_checkpoint`: any T, M and L), `recgrid export MODEL --out DIR` that
 of a logged model, as a fresh model directory (0700, its files 0600) with this recgrid's served code.
 `recgrid eval MODEL --data GLOB` gives NE, AUC and rows (`--json`), on the CPU, without Ray.
 
@@ -99,7 +99,7 @@ def model_files(model: Any, directory: str) -> dict[str, Any]:
 
     from recgrid.data.transforms import MULTI_HOT_SEED
     from recgrid.engine.unsharded import served_layout
-    from recgrid.train.unshard import model_spec
+    from recgrid.launch.unshard import model_spec
 
     spec = model_spec(model)
     if spec.multi_hot and max(spec.table_rows) >= 1 << 31:
@@ -131,13 +131,13 @@ def save_model_dir(model: Any, out: str) -> None:
 
 def log_job_model(config: Any, tracker: Any, status: dict[str, Any]) -> Any:
     """The job's model out of the platform: its final storage checkpoint unsharded in this process
-    (`train.unshard.from_checkpoint`) and logged as the run's MLflow model "model" at the final
+    (`launch.unshard.from_checkpoint`) and logged as the run's MLflow model "model" at the final
     step (the final evaluation's metrics linked to it) and, with `tracking.register_as`, a
     registered model version. Returns MLflow's `ModelInfo`, or None when the job ended without
     a checkpoint of its final step (interrupted, or every group left at a drain)."""
     from recgrid.launch.report import say
     from recgrid.train.checkpoint import checkpoint_step
-    from recgrid.train.unshard import from_checkpoint
+    from recgrid.launch.unshard import from_checkpoint
 
     if config.model.towers is not None:
         say("model: not logged: a Disaggregated Multi-Tower model (model.towers) has no unsharded form yet")
@@ -170,7 +170,7 @@ def read_model_dir(path: str) -> Any:
 
     from recgrid.data.transforms import MULTI_HOT_SEED
     from recgrid.engine.unsharded import served_layout
-    from recgrid.train.unshard import from_record, model_spec, table_shapes
+    from recgrid.launch.unshard import from_record, model_spec, table_shapes
 
     root = Path(path)
     for dirpath, dirs, files in os.walk(root):
@@ -240,7 +240,7 @@ def read_model_dir(path: str) -> Any:
 
 def _checkpoint_model(path: str, config_path: str | None, overrides: list[str]) -> Any:
     from recgrid.config import load_config
-    from recgrid.train.unshard import from_checkpoint
+    from recgrid.launch.unshard import from_checkpoint
 
     if not config_path:
         raise SystemExit(f"recgrid: {path} is a storage checkpoint: give the config of the job that wrote it "
@@ -293,7 +293,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     from recgrid.logs import libraries_quiet
-    from recgrid.train.unshard import evaluate_files, model_spec
+    from recgrid.launch.unshard import evaluate_files, model_spec
 
     probabilities: list | None = [] if args.predictions else None
     try:

@@ -18,7 +18,7 @@ this node), so the driver can end them: a run that Ray Train restarted after a n
 drain waits for room, and when the other groups have finished the job (or one run's failures are
 spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
 Train has no public call that ends a run from another process). The runs are pinned to nodes as
-the layout wants (`train.placement`): host-local shard position s of every group on one node,
+the layout wants (`launch.placement`): host-local shard position s of every group on one node,
 inter-host each group on nodes of its own; when a pinned node is gone the driver ends the runs
 that had a worker there and starts them again pinned to live nodes (`JobRuns`).
 
@@ -282,9 +282,9 @@ def worker_resources(config: JobConfig) -> dict[str, float]:
 
 def placeable_groups(config: JobConfig) -> int:
     """How many of the job's sharding groups the cluster's nodes hold (from what each alive node
-    offers, `train.placement.cluster_slots`), at most M: the first quorum waits for these, and a
+    offers, `launch.placement.cluster_slots`), at most M: the first quorum waits for these, and a
     group with no room joins when there is."""
-    from recgrid.train.placement import cluster_slots
+    from recgrid.launch.placement import cluster_slots
 
     grid = config.build_grid()
     return min(grid.num_groups, sum(cluster_slots(worker_resources(config)).values()) // grid.group_size)
@@ -296,7 +296,7 @@ def check_cluster(config: JobConfig) -> None:
     nodes and what to change."""
     import ray
 
-    from recgrid.train.placement import check_room_for_data, cluster_slots
+    from recgrid.launch.placement import check_room_for_data, cluster_slots
 
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
     total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
@@ -410,7 +410,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.data.stream import scan_inputs
     from recgrid.engine.sharding import plan_record
     from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.train.placement import (GROUP_RUN_PLACEMENT, check_holder_room, holder_bytes, label_selectors,
+    from recgrid.launch.placement import (GROUP_RUN_PLACEMENT, check_holder_room, holder_bytes, label_selectors,
                                          positions_by_node, record_ranks)
     from recgrid.train.recovery.holders import KEEP_GENERATIONS
     from recgrid.engine.sharding import shard_position_bytes
@@ -614,11 +614,11 @@ def placer(config: JobConfig) -> Any:
     """How the job's runs are pinned (`JobRuns`): `place(groups, taken)` -> group -> the node of each
     of its shard positions, for the groups `groups` that the alive nodes can take besides `taken`
     (the nodes of the groups still running); host-local places every group at once or none
-    (`train.placement.host_local_nodes`), inter-host each on nodes of its own
-    (`train.placement.inter_host_nodes`). None: the job is not pinned (one node holds workers)."""
+    (`launch.placement.host_local_nodes`), inter-host each on nodes of its own
+    (`launch.placement.inter_host_nodes`). None: the job is not pinned (one node holds workers)."""
     import ray
 
-    from recgrid.train.placement import host_local_nodes, inter_host_nodes, worker_nodes
+    from recgrid.launch.placement import host_local_nodes, inter_host_nodes, worker_nodes
 
     grid, per_worker = config.build_grid(), worker_resources(config)
     if len(worker_nodes(ray.nodes(), per_worker)) <= 1:
@@ -679,7 +679,7 @@ class JobRuns:
         that holds workers ({} where that is unknown: an elastic host-local job not pinned yet)."""
         import ray
 
-        from recgrid.train.placement import worker_nodes
+        from recgrid.launch.placement import worker_nodes
 
         nodes = worker_nodes(ray.nodes(), per_worker)
         if self.place is not None or len(nodes) != 1:
@@ -908,7 +908,7 @@ def _end_workers() -> None:
 class Console:
     """Prints, on the driver, the lines the workers gave job control (`JobControl.say`), and
     hands `record` the attempts' records each time another attempt's workers have all registered
-    (the run's grid/ranks.json: `train.placement.record_ranks`)."""
+    (the run's grid/ranks.json: `launch.placement.record_ranks`)."""
 
     def __init__(self, control: Any, record: Any = None) -> None:
         self.control, self.record, self.printed, self.last_step, self.complete = control, record, 0, None, 0

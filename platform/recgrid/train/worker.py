@@ -219,7 +219,7 @@ def train_group_worker(cfg: dict) -> None:
         if s == 0:
             report.say(f"interrupted: checkpoint at step {step} written to {path}")
     elif job.log_model and not trainer.interrupted and replicas.left is None and replicas.evaluates():
-        # the job's final model, which the driver logs (`train.unshard`): the cadence's own at a checkpoint step
+        # the job's final model, which the driver logs (`launch.unshard`): the cadence's own at a checkpoint step
         ck.save_at(step)
     if snapshotter is not None:
         snapshotter.close()
