@@ -305,6 +305,7 @@ def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupNCCL
 
+    from recgrid.engine.sync import SyncState, average_
     from recgrid.train.recovery.peers import TorchftReplicas
 
     rank = dist.get_rank()
@@ -317,12 +318,15 @@ def ft_probe(device: torch.device, lighthouse: str, n: int) -> dict:
     try:
         manager.start_quorum()
         # no model: the probe averages its own tensors (the component turns DDP's all-reduce off in a module)
-        reps = TorchftReplicas(SimpleNamespace(device=device, model=torch.nn.Module()), manager, heal=None, listener=None)
+        trainer = SimpleNamespace(device=device, model=torch.nn.Module(), state=SimpleNamespace(sync=SyncState()),
+                                  config=SimpleNamespace(sync_every=1, delayed_moment_sync=False),
+                                  replica_sync=SimpleNamespace(weights=[], states=[]))
+        reps = TorchftReplicas(trainer, manager, heal=None, listener=None)
         reps.live = live = manager.num_participants()
         g = torch.Generator().manual_seed(0)
         rows = (torch.rand(1 << 16, generator=g) * 2 - 1).to(torch.float16).to(device)
         tensors = [rows.clone(), torch.full((8,), float(rank), device=device)]
-        reps._average(tensors)()
+        average_(tensors, reps.trainer.replica_sync.transport)
         stop = reps.agree_stop(rank == 0)
         sums, maxes = torch.ones(3, dtype=torch.float64, device=device), torch.full((2,), float(rank), dtype=torch.float64,
                                                                                        device=device)

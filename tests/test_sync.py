@@ -46,14 +46,16 @@ def _peak_extra_bytes(fn) -> int | None:
 
 
 def sync_probe(align_bucket: int = ALIGN_BUCKET) -> dict:
-    from recgrid.engine.sync import ReplicaSync, average_
+    from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, average_
+
+    world = ProcessGroupSum(dist.group.WORLD, M)
 
     rank = dist.get_rank()
     out: dict = {}
 
     # fp16 table: SHARED identical rows, the others drawn per rank
     model = _kernel([(ROWS, DIM)], "FP16")
-    sync = ReplicaSync(model, dist.group.WORLD, M, sync_every=1)
+    sync = ReplicaSync.of_model(model, world, sync_every=1)
     (w,) = sync.weights
     same = torch.randn(SHARED, DIM, generator=torch.Generator().manual_seed(0)).half()
     own = torch.randn(ROWS - SHARED, DIM, generator=torch.Generator().manual_seed(1 + rank)).half()
@@ -70,13 +72,13 @@ def sync_probe(align_bucket: int = ALIGN_BUCKET) -> dict:
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(1000, generator=torch.Generator().manual_seed(1 + rank)).to(dtype)
         one, many = x.clone(), [x[:300].clone(), x[300:].clone()]
-        average_([one], dist.group.WORLD, M)
-        average_(many, dist.group.WORLD, M, bucket_bytes=256)
+        average_([one], world)
+        average_(many, world, bucket_bytes=256)
         out[f"{dtype}_in"], out[f"{dtype}_one"], out[f"{dtype}_many"] = x, one, torch.cat(many)
 
     # align: a 96 MiB fp32 shard (one 64 MiB table and 32 of 1 MiB) through 4 MiB buckets
     big = _kernel([(2**18, 64)] + [(2**12, 64)] * 32, "FP32")
-    sync = ReplicaSync(big, dist.group.WORLD, M, sync_every=1, bucket_bytes=align_bucket)
+    sync = ReplicaSync.of_model(big, world, sync_every=1, bucket_bytes=align_bucket)
     for i, t in enumerate(sync.weights + sync.states):
         t.fill_(rank * 1000 + i)
     tensors = sync.weights + sync.states

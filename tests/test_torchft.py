@@ -325,6 +325,7 @@ def _managers(n: int, body, min_replicas: int | None = None, heartbeat_timeout_m
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
+    from recgrid.engine.sync import SyncState
     from recgrid.train.recovery.peers import Lighthouse, TorchftReplicas
 
     least = n if min_replicas is None else min_replicas
@@ -351,9 +352,13 @@ def _managers(n: int, body, min_replicas: int | None = None, heartbeat_timeout_m
                               lighthouse_addr=address)
             beating.wait(timeout=60)
             manager.start_quorum()
-            # the component needs only the trainer's device, a model (no DDP in it) and the live count
-            reps = TorchftReplicas(SimpleNamespace(device=torch.device("cpu"), model=torch.nn.Module()), manager,
-                                   heal=None, listener=None, replica_pg=pg)
+            # the component needs only the trainer's device, a model (no DDP in it), its config's K and
+            # moment rule, its replica sync's tensors (none here: a body hands its own) and its state
+            trainer = SimpleNamespace(device=torch.device("cpu"), model=torch.nn.Module(),
+                                      config=SimpleNamespace(sync_every=1, delayed_moment_sync=True),
+                                      replica_sync=SimpleNamespace(weights=[], states=[]),
+                                      state=SimpleNamespace(sync=SyncState()))
+            reps = TorchftReplicas(trainer, manager, heal=None, listener=None, replica_pg=pg)
             reps.live = manager.num_participants()
             out[i] = body(i, reps)
         except BaseException as e:  # noqa: BLE001 - raised below, with the replica named
@@ -384,9 +389,11 @@ def test_replica_average_keeps_identical_fp16_rows_bit_identical():
     def make(i):
         return [rows.clone(), torch.full((8,), float(i), dtype=torch.float32), rows[:100].to(torch.bfloat16)]
 
+    from recgrid.engine.sync import average_
+
     def average(i, reps):
         tensors = make(i)
-        reps._average(tensors)()
+        average_(tensors, reps.trainer.replica_sync.transport)  # the one replica sync's, over the manager
         return tensors
 
     got = _managers(3, average)
@@ -481,22 +488,26 @@ def test_an_abandoned_round_with_every_group_alive_meets_in_a_new_process_group(
 
 
 def test_delayed_moment_sync_lands_each_average_one_sync_late():
-    """Delayed moment sync over 2 live replicas: the moments at a sync are averaged while the next
-    block trains, and land at the next sync as a correction, v += avg(v_then) - v_then (each
-    replica keeps what it added since); a round that does not commit drops the average in flight."""
+    """Delayed moment sync over 2 live replicas (the one replica sync, `ReplicaSync`, over torchft's
+    manager): the moments at a sync are averaged while the next block trains, and land at the next
+    sync as a correction, v += avg(v_then) - v_then (each replica keeps what it added since); a
+    round that does not commit drops the average in flight."""
     import torch
+
+    from recgrid.engine.sync import ReplicaSync, SyncState
 
     def body(i, reps):
         v = [torch.full((4,), float(i)), torch.full((2,), 10.0 * i)]
-        reps._delayed_moments(v)  # sync 1: launched, nothing lands yet
+        rs = ReplicaSync([], v, reps.trainer.replica_sync.transport, 1, delayed_moment_sync=True, state=SyncState())
+        rs.land(rs.launch(1, copy=True))  # sync 1: launched, nothing lands yet
         first = [x.clone() for x in v]
         for x in v:
             x.add_(1.0 + i)  # this replica's steps in the block
-        reps._delayed_moments(v)  # sync 2: sync 1's average lands
+        rs.land(rs.launch(2, copy=True))  # sync 2: sync 1's average lands
         second = [x.clone() for x in v]
-        reps._moments = None  # what a round that does not commit does
-        reps._delayed_moments(v)  # sync 3: nothing lands
-        reps._moments[1]()  # the average launched at sync 3 lands before the manager goes
+        rs.drop_pending()  # what a round that does not commit does
+        rs.land(rs.launch(3, copy=True))  # sync 3: nothing lands
+        rs.close()  # the average launched at sync 3 lands before the manager goes
         return first, second, [x.clone() for x in v]
 
     (first0, second0, third0), (first1, second1, third1) = _managers(2, body)

@@ -12,13 +12,17 @@ the tables' memory. `align` broadcasts through buckets of the same bound, never 
 Delayed moment sync (optional): at sync n the optimizer states are snapshotted and the
 snapshot's average is launched asynchronously; at sync n+1 each worker applies
 `avg(snapshot_n) + (v_now - snapshot_n)`, so the state communication overlaps K steps of compute.
+
+One sync for every job: the sum over the replica group is a transport (`ReplicaSum`), a process
+group in the local launcher's grid, torchft's manager over the live sharding groups in a Ray job.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,10 +88,10 @@ class SyncRecord:
 class PendingAverage:
     """A delayed moment sync's state average in flight: the states as they were at the sync
     that launched it (`snapshot`: the average's input, never written again), and the buffers the
-    average lands in (`averaged`). A trainer's snapshot keeps the input and a restore relaunches
-    the average (`ReplicaSync.launch_state_average`), so a snapshot never waits for it. The input
-    is each replica-group member's own (the states differ between syncs), so an exact restore
-    relaunches it on every member with that member's own input."""
+    average lands in (`averaged`). It lives in the trainer's state (`SyncState.pending`); it is
+    dropped where the states it corrects are replaced (a restore, a heal) and, on torchft, where a
+    round fails or the live groups change before it lands (`ReplicaSync.drop_pending`): those K
+    steps' moments then stay each member's own."""
 
     snapshot: list[torch.Tensor]
     averaged: list[torch.Tensor]
@@ -148,13 +152,76 @@ def sync_step(step: int, sync_every: int) -> bool:
     return step % sync_every == 0
 
 
+class ReplicaSum(Protocol):
+    """The replica sync's one transport: a sum over the replica group, in place, started now. A
+    process group (`ProcessGroupSum`: the local launcher's grid) or torchft's manager over the
+    live sharding groups (`train.recovery.peers.ManagerSum`: a Ray job)."""
+
+    def members(self) -> int: ...  # how many copies the sum adds up (M, or the live groups)
+    def sum_(self, tensors: list[torch.Tensor]) -> "Waitable": ...  # same-dtype tensors, summed in place on wait()
+    def broadcast_(self, tensors: list[torch.Tensor], src: int, bucket_bytes: int) -> None: ...  # `align`
+
+
+class Waitable(Protocol):
+    def wait(self) -> Any: ...
+
+
+class ProcessGroupSum:
+    """`ReplicaSum` over a process group of `members` workers: one coalesced all-reduce."""
+
+    def __init__(self, pg: dist.ProcessGroup, members: int) -> None:
+        self.pg, self._members = pg, members
+
+    def members(self) -> int:
+        return self._members
+
+    def sum_(self, tensors: list[torch.Tensor]) -> Waitable:
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self.pg.allreduce_coalesced(tensors, opts)
+
+    def broadcast_(self, tensors: list[torch.Tensor], src: int, bucket_bytes: int) -> None:
+        broadcast_bucketed(tensors, self.pg, src, bucket_bytes)
+
+
+@dataclass
+class InFlight:
+    """A replica sync launched and not landed yet: the tables it averages (`targets`, views of
+    the kernels), the copies the average runs on when it must land only later (`copies`: a
+    torchft round lands only once it commits; None: in place), the collectives, and the seconds
+    from the launch until the average was in."""
+
+    step: int
+    targets: list[torch.Tensor]
+    copies: list[torch.Tensor] | None
+    works: "_Works"
+    low: list[torch.Tensor]  # fp16/bf16 tensors of `copies or targets`: averaged in fp32 at `wait`
+    started: float
+    seconds: float | None = None
+    sent: int = 0  # bytes this worker put into the all-reduces (low-precision tensors: their fp32 buckets)
+
+    def wait(self, transport: ReplicaSum, bucket_bytes: int) -> None:
+        """The average is in (`copies or targets` hold it)."""
+        if self.seconds is not None:
+            return
+        self.sent = _nbytes(self.works.after)
+        self.works.wait()
+        if self.low:
+            self.sent += average_low_precision_(self.low, lambda t: transport.sum_([t]), self.works.divisor,
+                                                bucket_bytes)
+        self.seconds = time.perf_counter() - self.started
+
+
 class ReplicaSync:
-    """Keeps the M copies of every shard in step by averaging them every `sync_every` steps.
+    """Keeps the M copies of every shard in step by averaging them every `sync_every` steps, over
+    one `ReplicaSum` transport: the embedding weights and moments, or with delayed moment sync the
+    weights now and the moments one sync late (`_delayed_moments`), whose average in flight is
+    `state.pending`, inside the trainer's state.
 
     Args:
-        model: the sharded model (its fused kernels are found once, here).
-        replica_pg: this worker's replica-group process group.
-        num_groups: M; with M = 1 nothing is ever sent.
+        weights, states: this worker's embedding weights and optimizer states (views of the
+            fused kernels' storage: `of_model`).
+        transport: the sum over the replica group; with one member nothing is ever sent.
         sync_every: K, steps between two syncs.
         delayed_moment_sync: average optimizer states one sync late, asynchronously.
         state: the counters and in-flight average, owned by the caller (the trainer's state).
@@ -162,21 +229,23 @@ class ReplicaSync:
             broadcast of `align`, allocates.
     """
 
-    def __init__(self, model: nn.Module, replica_pg: dist.ProcessGroup, num_groups: int, sync_every: int,
-                 delayed_moment_sync: bool = False, state: SyncState | None = None,
+    def __init__(self, weights: list[torch.Tensor], states: list[torch.Tensor], transport: ReplicaSum,
+                 sync_every: int, delayed_moment_sync: bool = False, state: SyncState | None = None,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every (K) must be >= 1, got {sync_every}")
-        self.replica_pg = replica_pg
-        self.num_groups = num_groups
+        self.weights, self.states, self.transport = weights, states, transport
         self.sync_every = sync_every
         self.delayed_moment_sync = delayed_moment_sync
         self.bucket_bytes = bucket_bytes
-        self.weights = embedding_weights(model)
-        self.states = optimizer_states(model)
         self.state = state if state is not None else SyncState()
         self.before_sync: list[SyncHook] = []
         self.after_sync: list[SyncHook] = []
+
+    @classmethod
+    def of_model(cls, model: nn.Module, transport: ReplicaSum, sync_every: int, **kw: Any) -> "ReplicaSync":
+        """The replica sync of `model`'s fused kernels (found once, here)."""
+        return cls(embedding_weights(model), optimizer_states(model), transport, sync_every, **kw)
 
     @property
     def stats(self) -> SyncState:
@@ -185,33 +254,71 @@ class ReplicaSync:
 
     @property
     def enabled(self) -> bool:
-        return self.num_groups > 1
+        return self.transport.members() > 1
 
     def due(self, step: int) -> bool:
         """Whether a sync follows step `step` (1-based count of finished steps)."""
         return self.enabled and sync_step(step, self.sync_every)
 
+    def replicated(self) -> list[torch.Tensor]:
+        """What every member holds alike right after a sync, and a sync averages: the weights and
+        moments, or with delayed moment sync the weights only (the moments are each member's own
+        between their averages)."""
+        return self.weights if self.delayed_moment_sync else self.weights + self.states
+
     def maybe_sync(self, step: int) -> SyncRecord | None:
         return self.sync(step) if self.due(step) else None
 
     def sync(self, step: int) -> SyncRecord:
+        """Average now, in place, and land (the grid's own sync: every step commits)."""
         for hook in self.before_sync:
             hook(self)
         # the host clock on CPU (gloo's waits return when the data is there); CUDA events on a GPU,
         # read when the counters are (no wait for the device here, once per K steps)
         watch = stopwatch(self.weights[0].device if self.weights else torch.device("cpu")).start()
-        sent = 0
-        if self.delayed_moment_sync:
-            sent += self._all_reduce_avg(self.weights)
-            sent += self._delayed_state_sync()
-        else:
-            sent += self._all_reduce_avg(self.weights + self.states)
+        sent = self._land(self.launch(step, copy=False))
         watch.stop()
         record = SyncRecord(step=step, seconds=0.0 if watch.deferred else watch.seconds, bytes=sent)
         self.state.add(record, watch)
         for hook in self.after_sync:
             hook(self)
         return record
+
+    def launch(self, step: int, copy: bool) -> InFlight:
+        """Start the average of `replicated()`: in place, or on copies (`copy`) that `land` writes
+        back only when the caller says (a torchft round, once it commits)."""
+        targets = self.replicated()
+        on = [x.detach().clone() for x in targets] if copy else targets
+        return InFlight(step, targets, on if copy else None, launch_average_(on, self.transport),
+                        [x for x in on if x.dtype in LOW_PRECISION], time.perf_counter())
+
+    def land(self, inflight: InFlight) -> SyncRecord:
+        """Land a launched sync (its average written into the tables, the delayed moments' rule
+        applied) and count it; its seconds: from the launch until the average was in, plus the landing."""
+        t0 = time.perf_counter()
+        sent = self._land(inflight)
+        record = SyncRecord(step=inflight.step, seconds=time.perf_counter() - t0 + (inflight.seconds or 0.0),
+                            bytes=sent)
+        self.state.add(record)
+        return record
+
+    def _land(self, inflight: InFlight) -> int:
+        inflight.wait(self.transport, self.bucket_bytes)
+        if inflight.copies is not None:
+            with torch.no_grad():
+                for dst, src in zip(inflight.targets, inflight.copies):
+                    dst.copy_(src)
+        sent = inflight.sent
+        if self.delayed_moment_sync:
+            sent += self._delayed_moments()
+        return sent
+
+    def drop_pending(self, settle: bool = False) -> None:
+        """Forget a delayed moment average in flight (a round failed, the live groups changed, or the
+        state it corrects was replaced); `settle`: let it land first (its collective must finish)."""
+        if settle and self.state.pending is not None:
+            self.state.pending.settle()
+        self.state.pending = None
 
     def align(self, src_replica_rank: int = 0) -> None:
         """Copy weights and states from one member of each replica group to the others.
@@ -220,67 +327,51 @@ class ReplicaSync:
         rebuild a worker from its replica-group peers. In place, through staging buckets of at
         most `BUCKET_BYTES`: the extra memory does not grow with the shard.
         """
-        if not self.enabled:
-            return
-        broadcast_bucketed(self.weights + self.states, self.replica_pg, src_replica_rank, self.bucket_bytes)
+        if self.enabled:
+            self.transport.broadcast_(self.weights + self.states, src_replica_rank, self.bucket_bytes)
 
     def close(self) -> None:
         """Let a delayed state average still in flight land (before the process groups go away)."""
         if self.state.pending is not None:
             self.state.pending.settle()
 
-    def _delayed_state_sync(self) -> int:
+    def _delayed_moments(self) -> int:
+        """The delayed-moment rule, at a sync that landed: the average launched at the sync before
+        lands as a correction, v = avg(v_then) + (v_now - v_then) (each member keeps what it added
+        since), and the moments as they are now go into the next average, which overlaps the next
+        K steps. Returns the bytes sent."""
         pending = self.state.pending
         if pending is not None:
             pending.settle()
-            for v, s, a in zip(self.states, pending.snapshot, pending.averaged):
-                v.add_(a - s)  # v = avg(snapshot_n) + (v_now - snapshot_n)
-        self.state.pending = self.launch_state_average([v.detach().clone() for v in self.states])
-        return _nbytes(self.state.pending.averaged)
-
-    def launch_state_average(self, snapshot: list[torch.Tensor]) -> PendingAverage:
-        """Launch the delayed average of `snapshot` (the optimizer states as they were at a sync,
-        owned by the result from now on) over the replica group: at a sync, and again when a
-        restore brings back the input of an average that was in flight (collective: every member
-        of the replica group launches it at the same point)."""
-        averaged = [v.clone() for v in snapshot]
-        return PendingAverage(snapshot, averaged, self._launch_avg(averaged))
-
-    def _all_reduce_avg(self, tensors: list[torch.Tensor]) -> int:
-        return average_(tensors, self.replica_pg, self.num_groups, self.bucket_bytes)
-
-    def _launch_avg(self, tensors: list[torch.Tensor]) -> "_Works":
-        # the delayed state average: fp32 states (FBGEMM's moments), summed in place, asynchronously
-        return launch_average_(tensors, self.replica_pg, self.num_groups)
+            with torch.no_grad():
+                for v, then, avg in zip(self.states, pending.snapshot, pending.averaged):
+                    v.add_(avg - then)
+        now = [v.detach().clone() for v in self.states]
+        averaged = [v.clone() for v in now]
+        self.state.pending = PendingAverage(now, averaged, launch_average_(averaged, self.transport))
+        return _nbytes(averaged)
 
 
-def average_(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_size: int,
-             bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Replace each tensor by its mean over `pg` (`group_size` members), in place, and wait for it.
+def average_(tensors: list[torch.Tensor], transport: ReplicaSum, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Replace each tensor by its mean over the replica group (`transport`), in place, and wait.
 
     fp32 (and wider) tensors: summed in place, one coalesced collective per dtype, then divided.
     fp16/bf16 tensors: copied into fp32 buckets of at most `bucket_bytes`, summed, divided by
-    `group_size` and rounded back once, so M identical copies stay bit-identical.
+    the members and rounded back once, so M identical copies stay bit-identical.
     Returns the bytes this worker put into the all-reduce.
     """
-    sent = 0
-    wide = [t for t in tensors if t.dtype not in LOW_PRECISION]
-    if wide:
-        launch_average_(wide, pg, group_size).wait()
-        sent += _nbytes(wide)
-    low = [t for t in tensors if t.dtype in LOW_PRECISION]
-    return sent + average_low_precision_(low, lambda t: _all_reduce(t, pg, dist.ReduceOp.SUM), group_size,
-                                         bucket_bytes)
+    inflight = InFlight(0, tensors, None, launch_average_(tensors, transport),
+                        [t for t in tensors if t.dtype in LOW_PRECISION], time.perf_counter())
+    inflight.wait(transport, bucket_bytes)
+    return inflight.sent
 
 
 def average_low_precision_(tensors: list[torch.Tensor], sum_: Callable[[torch.Tensor], Any], group_size: int,
                            bucket_bytes: int = BUCKET_BYTES) -> int:
     """Replace each fp16/bf16 tensor by its mean over `group_size` members, in place: copied into
     fp32 buckets of at most `bucket_bytes`, summed by `sum_(bucket)` (an all-reduce SUM over the
-    members, in place, returning something to `wait()` on: a process group's, or torchft's
-    manager's), divided by `group_size` and rounded back once, so M identical copies stay
-    bit-identical. The one place low-precision tables are averaged (`average_`, `train.recovery.peers`).
-    Returns the bytes this worker put into the all-reduces."""
+    members, in place, returning something to `wait()` on), divided by `group_size` and rounded
+    back once, so M identical copies stay bit-identical. Returns the bytes put into the all-reduces."""
     sent = 0
     for dtype, group in _by_dtype(tensors).items():
         if dtype not in LOW_PRECISION:
@@ -295,18 +386,13 @@ def average_low_precision_(tensors: list[torch.Tensor], sum_: Callable[[torch.Te
     return sent
 
 
-def launch_average_(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_size: int) -> "_Works":
-    """Start averaging fp32 (or wider) tensors over `pg` in place: a coalesced SUM per dtype, whose
-    `wait()` also divides by `group_size`. Low-precision tensors go through `average_`."""
-    low = sorted({str(t.dtype) for t in tensors if t.dtype in LOW_PRECISION})
-    if low:
-        raise ValueError(f"launch_average_ sums in the tensors' own dtype; {low} tensors must be averaged "
-                         f"by average_ (in fp32)")
-    opts = dist.AllreduceCoalescedOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    groups = list(_by_dtype(tensors).values())
-    return _Works([pg.allreduce_coalesced(group, opts) for group in groups],
-                  after=[t for group in groups for t in group], divisor=group_size)
+def launch_average_(tensors: list[torch.Tensor], transport: ReplicaSum) -> "_Works":
+    """Start averaging the fp32 (or wider) of `tensors` over `transport` in place: a coalesced SUM
+    per dtype, whose `wait()` also divides by the members. Low-precision tensors are left to
+    `average_low_precision_` (summed in fp32)."""
+    groups = [g for dtype, g in _by_dtype(tensors).items() if dtype not in LOW_PRECISION]
+    return _Works([transport.sum_(group) for group in groups], after=[t for group in groups for t in group],
+                  divisor=transport.members())
 
 
 def broadcast_bucketed(tensors: list[torch.Tensor], pg: dist.ProcessGroup, group_src: int,
@@ -374,12 +460,6 @@ def _scatter_from(staging: torch.Tensor, bucket: list[_Piece]) -> None:
     for t, start, n in bucket:
         _flat(t)[start:start + n].copy_(staging[at:at + n])
         at += n
-
-
-def _all_reduce(t: torch.Tensor, pg: dist.ProcessGroup, op: "dist.ReduceOp") -> "_Works":
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
-    return _Works([pg.allreduce([t], opts)])
 
 
 @dataclass

@@ -65,7 +65,7 @@ from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import build_model
 from recgrid.engine.optimizer import dense_optimizer
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
-from recgrid.engine.sync import ReplicaSync, SyncState, embedding_weights, optimizer_states, sync_step
+from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, SyncState, embedding_weights, optimizer_states, sync_step
 from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
 from recgrid.trainer_config import EngineConfig, LoopConfig
@@ -280,8 +280,9 @@ class Trainer:
         self.dense_names, dense = zip(*dense_named_parameters(self.model))
         self.dense_optimizer = dense_optimizer(config.dense_optimizer, dense, config.dense_lr)
         self.state = TrainerState()
-        self.replica_sync = ReplicaSync(self.model, groups.replica_pg, grid.num_groups, config.sync_every,
-                                        config.delayed_moment_sync, state=self.state.sync)
+        self.replica_sync = ReplicaSync.of_model(self.model, ProcessGroupSum(groups.replica_pg, grid.num_groups),
+                                                 config.sync_every, delayed_moment_sync=config.delayed_moment_sync,
+                                                 state=self.state.sync)
         # sharding groups initialise their shards independently: start from one copy
         self.replica_sync.align()
         self.metrics = TrainMetrics(window_steps=config.ne_window_steps, device=device, imbalance_phase="lookup_kernel",
@@ -420,7 +421,7 @@ class Trainer:
                 if commit.committed:
                     self.state.step += 1
                     self.state.examples += int(labels.numel()) * self.replicas.workers
-                    if self.replica_sync.enabled:  # the grid's own replica sync, timed on the device (no wait per step)
+                    if self.replica_sync.enabled and not self.replicas.rounds_talk:  # the grid's own, timed on the device
                         if self.replica_sync.due(self.state.step):
                             with timer.phase("sync"):
                                 self.replica_sync.sync(self.state.step)
@@ -635,9 +636,7 @@ class Trainer:
                                        f"it was taken with another sharding plan")
                 dst.copy_(src)
         self._drop_pipeline()  # batches it prefetched follow the old cursor
-        if self.state.sync.pending is not None:  # this trainer's own average: landed, then forgotten
-            self.state.sync.pending.settle()
-        self.state.sync.pending = None
+        self.replica_sync.drop_pending(settle=True)  # this trainer's own average: landed, then forgotten
         self.load_dense_state(snap.dense)
         self._load_progress(snap.progress, window)
 
@@ -720,7 +719,7 @@ class Trainer:
         dense = dict(sd["dense_optimizer"])
         dense.update({f"param/{n}": p for n, p in zip(self.dense_names, self.dense_params())})
         self.load_dense_state(dense)
-        self.state.sync.pending = None
+        self.replica_sync.drop_pending()
         self._load_progress(json.loads(sd["progress"]), sd["window"])
 
     def _load_progress(self, progress: dict[str, Any], window: torch.Tensor | None) -> None:

@@ -54,7 +54,7 @@ path's, the component decides what differs:
      batch under the same step number, after that quorum (a group left behind by it heals there
      from a live peer). With delayed moment sync the sync averages the
      weights only; the moments go into an average that overlaps the next block and lands at the
-     next committed sync (`_delayed_moments`).
+     next committed sync (`engine.sync.ReplicaSync`, the one replica sync, over `ManagerSum`).
   4. at logging steps the metric sums are reduced over the sharding group, then over the live
      groups (`reduce`), and a graceful stop is agreed as a maximum the same way (`agree_stop`),
      so every worker ends at the same step.
@@ -86,15 +86,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
-from recgrid.engine.sync import (LOW_PRECISION, SyncRecord, average_low_precision_, embedding_kernels,
-                                 optimizer_states, sync_step)
+from recgrid.engine.sync import InFlight, ReplicaSync, embedding_kernels, sync_step
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery.slots import digest
 from recgrid.train.trainer import Replicas, Snapshot, Trainer
@@ -212,25 +210,59 @@ def make_manager(heal: "HealTransport", world: GroupWorld, device: Any, min_grou
                    checkpoint_transport=PGTransport(pg, timeout=timeout, device=device)), pg
 
 
-def replicated_tensors(trainer: Trainer) -> list[Any]:
-    """What every live sharding group holds alike right after a sync, and a sync averages then:
-    the embedding weights and moments, or with delayed moment sync the weights only (the moments
-    are each group's own between their averages: `TorchftReplicas._delayed_moments`). Views of
-    the kernels' storage."""
-    shard = trainer.shard_tensors()
-    return shard[:trainer.weight_tensor_count()] if trainer.config.delayed_moment_sync else shard
-
-
 def kernel_digest(trainer: Trainer, replicated: bool = False) -> str:
     """Checksum of this worker's embedding weights and moments (equal iff bit for bit equal);
-    `replicated`: of `replicated_tensors` only."""
-    shard = replicated_tensors(trainer) if replicated else trainer.shard_tensors()
+    `replicated`: of what the replica sync averages only (`ReplicaSync.replicated`)."""
+    shard = trainer.replica_sync.replicated() if replicated else trainer.shard_tensors()
     return digest([t.detach().cpu().numpy() for t in shard])
 
 
 def dense_digest(trainer: Trainer) -> str:
     dense = trainer.dense_state()
     return digest([dense[k].numpy() for k in sorted(dense)])
+
+
+class ManagerSum:
+    """The replica sync's transport in a Ray job (`engine.sync.ReplicaSum`): a sum over the live
+    sharding groups through torchft's manager (shard s with shard s), whose members are the live
+    groups of the current quorum. The tensors of one call are flattened into one buffer, summed,
+    and written back on `wait()`."""
+
+    def __init__(self, manager: Any, members: Callable[[], int], device: Any) -> None:
+        self.manager, self._members, self.device = manager, members, device
+
+    def members(self) -> int:
+        return self._members()
+
+    def sum_(self, tensors: list[Any]) -> "_Unflatten":
+        from torch._utils import _flatten_dense_tensors
+        from torch.distributed import ReduceOp
+
+        for x in tensors:  # the manager's process group is NCCL on CUDA (`make_manager`): it refuses CPU tensors
+            if x.device.type != self.device.type:
+                raise RuntimeError(f"a {x.device} tensor was handed to the replicas' {self.device.type} "
+                                   f"collective; it must live on {self.device}")
+        flat = tensors[0].view(-1) if len(tensors) == 1 and tensors[0].is_contiguous() else _flatten_dense_tensors(tensors)
+        return _Unflatten(self.manager.allreduce(flat, reduce_op=ReduceOp.SUM), flat, tensors)
+
+    def broadcast_(self, tensors: list[Any], src: int, bucket_bytes: int) -> None:
+        raise NotImplementedError("sharding groups under torchft start alike; a rebuilt one heals from a live peer")
+
+
+class _Unflatten:
+    """A manager sum in flight over a flat buffer: `wait()` writes it back into its tensors."""
+
+    def __init__(self, work: Any, flat: Any, tensors: list[Any]) -> None:
+        self.work, self.flat, self.tensors = work, flat, tensors
+
+    def wait(self) -> None:
+        from torch._utils import _unflatten_dense_tensors
+
+        self.work.wait()
+        if len(self.tensors) == 1 and self.flat.data_ptr() == self.tensors[0].data_ptr():
+            return
+        for x, total in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors)):
+            x.copy_(total)
 
 
 class HealTransport:
@@ -327,10 +359,12 @@ class TorchftReplicas(Replicas):
         self._drain_checked = time.monotonic()
         self.live: int | None = None  # live sharding groups in the current quorum (None before the first)
         self.moment_scale: float | None = None
-        # a committed round's table average and its seconds, to land in `sync`
-        self._tables: "tuple[list[Any], float] | None" = None
-        # delayed moment sync: the moments as they were at the last committed sync, and their average in flight
-        self._moments: "tuple[list[Any], _Average] | None" = None
+        # the replica sync over the live groups (the trainer's own: its grid is one sharding group)
+        trainer.replica_sync = ReplicaSync(trainer.replica_sync.weights, trainer.replica_sync.states,
+                                           ManagerSum(manager, lambda: self.live or 1, trainer.device),
+                                           trainer.config.sync_every, trainer.config.delayed_moment_sync,
+                                           state=trainer.state.sync)
+        self._landing: InFlight | None = None  # a committed round's table average, to land in `sync`
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
         # agreed at the last committed sync step: the next block's start asks for a quorum; the next sync
         # step asks Ray Train for a drain notice
@@ -360,7 +394,7 @@ class TorchftReplicas(Replicas):
             self._maybe_restore()
         live = self.manager.num_participants()
         if live != self.live:  # the moment average in flight was launched over other groups: dropped
-            self._moments = None
+            t.replica_sync.drop_pending()
         c = moment_scale_for(live, t.config.moment_scale)
         if c != self.moment_scale:  # the fused kernels' lr and eps carry c (engine.optimizer)
             t.embedding_optimizer = opt = t.config.embedding_optimizer(live)
@@ -417,9 +451,10 @@ class TorchftReplicas(Replicas):
         wants = ends_block and (notice is not None or (self.joins is not None and self.joins.pending()))
         due = (ends_block and self.drain_notice is not None
                and time.monotonic() - self._drain_checked >= DRAIN_CHECK_S)
-        # the tables' average over the live groups, launched first (it lands in `sync` if the round commits)
-        tables = [x.detach().clone() for x in replicated_tensors(t)] if live > 1 and ends_block else []
-        average = self._average(tables) if tables else None
+        # the tables' average over the live groups, launched first, on copies (they land in `sync` if the
+        # round commits)
+        rs = t.replica_sync
+        average = rs.launch(step, copy=True) if rs.due(step) else None
         # the dense gradients (each worker's own: DDP's all-reduce is off, `keep_local_gradients`) and the
         # round's flags in one buffer: averaged over the live groups (shard s with shard s), then summed
         # over the sharding group, which also agrees the flags (so its workers commit alike): whether a
@@ -434,7 +469,7 @@ class TorchftReplicas(Replicas):
         if live > 1:
             self.manager.allreduce(buf).wait()
         if average is not None:
-            average()
+            average.wait(rs.transport, rs.bucket_bytes)
         buf[-flags + 1] = 0.0 if self.manager.errored() is None else 1.0
         buf[-flags + 2] = float(due)
         for i, mine in enumerate(votes.values()):
@@ -445,7 +480,6 @@ class TorchftReplicas(Replicas):
         self._agreed = {name: v > 0 for name, v in zip(votes, agreed)}
         for g, total in zip(grads, _unflatten_dense_tensors(buf[:-flags], grads)):
             g.copy_(total).div_(self.group_size)
-        seconds = average.seconds if average is not None else 0.0
         committed = not failed
         if committed:  # the manager's step is the trainer's: a group that missed a step is behind, and heals
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
@@ -454,9 +488,9 @@ class TorchftReplicas(Replicas):
             self._quorum_next, self._drain_next = committed and wants > 0, committed and due > 0
         if notice is not None:  # leave at the next round's start: what the group committed is synced
             self.left = notice
-        self._tables = (tables, seconds) if committed and tables else None
+        self._landing = average if committed else None
         if not committed:  # a moment average in flight may have failed with the round: dropped on every group
-            self._moments = None
+            rs.drop_pending()
             err = self.manager.errored()
             why = str(getattr(err, "original_exception", err) or "a group-mate's collective failed").splitlines()[0][:200]
             self.listener.say(f"sharding group {self.heal.group}: the round for step {step} did not commit ({why}); "
@@ -479,41 +513,14 @@ class TorchftReplicas(Replicas):
         self.manager.should_commit()
 
     def sync(self, step: int) -> float:
-        """Land the committed round's table average (the replica sync of this path)."""
-        import torch
-
+        """Land the committed round's table average (the replica sync, `ReplicaSync.land`)."""
         t0 = time.perf_counter()
-        landing, self._tables = self._tables, None
+        landing, self._landing = self._landing, None
         if landing is not None:
-            tables, seconds = landing
-            sent = sum(x.numel() * x.element_size() for x in tables)
-            with torch.no_grad():
-                for dst, src in zip(replicated_tensors(self.trainer), tables):
-                    dst.copy_(src)
-                if self.trainer.config.delayed_moment_sync:
-                    sent += self._delayed_moments(optimizer_states(self.trainer.model))
-            self.trainer.state.sync.add(SyncRecord(step=step, seconds=time.perf_counter() - t0 + seconds,
-                                                   bytes=sent))
+            self.trainer.replica_sync.land(landing)
         seconds = time.perf_counter() - t0 if landing is not None else 0.0  # nothing landed: no replica sync
         self.listener.committed(step, self.live or 1, landing is not None)
         return seconds
-
-    def _delayed_moments(self, states: list[Any]) -> int:
-        """Delayed moment sync at a committed sync (`engine.sync.ReplicaSync`'s rule, over the live
-        groups): the average launched at the last committed sync lands as a correction, v += avg(v_then)
-        - v_then, and the moments as they are now go into the next average, which overlaps the next
-        block's steps. An average is dropped, on every live group alike, when a round fails or the live
-        count changes before it lands (a rebuilt group heals from a peer's own moments: it has none in
-        flight); those K steps' moments then stay each group's own. `states`: the kernels' moments,
-        corrected in place. Returns the bytes sent."""
-        if self._moments is not None:
-            before, average = self._moments
-            average()
-            for v, then, avg in zip(states, before, average.tensors):
-                v.add_(avg - then)
-        now = [v.detach().clone() for v in states]
-        self._moments = (now, self._average([v.clone() for v in now]))
-        return sum(v.numel() * v.element_size() for v in now)
 
     @property
     def workers(self) -> int:
@@ -554,39 +561,6 @@ class TorchftReplicas(Replicas):
         not a group that left."""
         return self.left is None and self.manager.participating_rank() == 0
 
-    def _average(self, tensors: list[Any]) -> "_Average":
-        """Launch the average of `tensors` over the live replicas: fp32 (and wider) tensors as one
-        flat buffer per dtype, now; fp16/bf16 ones when the result is called, summed in fp32
-        buckets and divided there (`engine.sync.average_low_precision_`: averaged in their own
-        dtype, identical rows would drift). Calling the result waits and writes the averages
-        back into `tensors`."""
-        from torch._utils import _flatten_dense_tensors
-        from torch.distributed import ReduceOp
-
-        t0 = time.perf_counter()
-        by_dtype: dict[Any, list[Any]] = defaultdict(list)
-        low = []
-        for x in tensors:
-            self._check_device(x)
-            (low if x.dtype in LOW_PRECISION else by_dtype[x.dtype]).append(x)
-        launched = []
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            launched.append((self.manager.allreduce(flat), flat, group))
-        live = self.live or 1
-
-        def average_low() -> None:
-            average_low_precision_(low, lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM), live)
-
-        return _Average(tensors, launched, t0, average_low if low else None)
-
-    def _check_device(self, x: Any) -> None:
-        """Every tensor of a collective over the replicas lives on the trainer's device: the
-        manager's process group is NCCL there on CUDA (`make_manager`), and NCCL refuses CPU tensors."""
-        if x.device.type != self.trainer.device.type:
-            raise RuntimeError(f"a {x.device} tensor was handed to the replicas' {self.trainer.device.type} "
-                               f"collective; it must live on {self.trainer.device}")
-
     def _reduce_sums(self, sums: Any, maxes: Any) -> None:
         """`reduce_metrics`' reducer: the metric sums and maxima over the sharding group (the
         default process group), then over the live groups."""
@@ -606,24 +580,3 @@ class TorchftReplicas(Replicas):
         for x, y in zip((sums, maxes), on):
             if y is not x:
                 x.copy_(y)
-
-
-class _Average:
-    """An average in flight over the live replicas: call it to wait and write the result back
-    (and to average the low-precision tensors, `low`, which are summed in fp32 then)."""
-
-    def __init__(self, tensors: list[Any], launched: list[tuple[Any, Any, list[Any]]], started: float,
-                 low: "Callable[[], None] | None" = None) -> None:
-        self.tensors, self.launched, self.started, self.low = tensors, launched, started, low
-        self.seconds = 0.0
-
-    def __call__(self) -> None:
-        from torch._utils import _unflatten_dense_tensors
-
-        for work, flat, group in self.launched:
-            work.wait()
-            for x, avg in zip(group, _unflatten_dense_tensors(flat, group)):
-                x.copy_(avg)
-        if self.low is not None:
-            self.low()
-        self.seconds = time.perf_counter() - self.started
