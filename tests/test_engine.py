@@ -252,3 +252,25 @@ def test_delayed_moment_sync_follows_its_formula():
             assert torch.equal(x, y)
         # and the correction really is one sync late: states differ between peers after a sync
         assert max((x - y).abs().max() for x, y in zip(a["post"][3][1], b["post"][3][1])) > 0
+
+
+def test_libraries_quiet_silences_for_a_while_and_restores() -> None:
+    """engine.quiet, the one helper: loggers below ERROR and warnings silent inside, levels and
+    warning filters as they were afterwards."""
+    import logging
+    import warnings
+
+    from recgrid.engine.quiet import libraries_quiet
+
+    torchrec, root = logging.getLogger("torchrec"), logging.getLogger()
+    torchrec.setLevel(logging.INFO)
+    levels_before, filters_before = (torchrec.level, root.level), list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with libraries_quiet(root=logging.CRITICAL):
+            assert not torchrec.isEnabledFor(logging.WARNING) and root.level == logging.CRITICAL
+            warnings.warn("a library's note")
+        warnings.warn("recgrid's own")
+    assert [str(w.message) for w in caught] == ["recgrid's own"]
+    assert (torchrec.level, root.level) == levels_before and warnings.filters == filters_before
+    torchrec.setLevel(logging.NOTSET)

@@ -7,42 +7,23 @@ the driver keep their output to recgrid's own lines.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import logging
+
+from recgrid.engine.quiet import LIBRARIES, quiet
+from recgrid.engine.quiet import libraries_quiet as quiet_for_a_while
 
 
 def quiet_libraries() -> None:
     """Keep a worker's output to what recgrid says: TorchRec and torch warn at every sharding."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "torchrec", "fbgemm_gpu"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     # FBGEMM logs each kernel's whole configuration at INFO through the root logger, and Ray
     # Train logs every report at INFO: keep what a worker says to warnings and recgrid's lines
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    quiet(dict.fromkeys(LIBRARIES, logging.ERROR) | {"": logging.WARNING, "ray.train": logging.WARNING})
 
 
-@contextlib.contextmanager
-def libraries_quiet(names: tuple[str, ...] = ("torch", "torch.fx._symbolic_trace", "torchrec", "fbgemm_gpu",
-                                             "mlflow")) -> Iterator[None]:
+def libraries_quiet() -> contextlib.AbstractContextManager[None]:
     """`quiet_libraries` for a while, in a process that goes on (the driver unsharding and logging a
     model): their warnings and their loggers' notes below ERROR, restored afterwards."""
-    import logging
-    import warnings
-
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
+    return quiet_for_a_while(LIBRARIES + ("torch.fx._symbolic_trace", "mlflow"))
 
 
 def progress_line(m: dict[str, float], step: int, max_steps: int, elapsed: float) -> str:

@@ -8,13 +8,13 @@ same path runs on CPU (gloo) and GPU (NCCL).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from typing import TYPE_CHECKING, Any
 
 from recgrid.engine.device import device_indices, device_memory_bytes, placement
 from recgrid.engine.grid import Grid, GridGroups
+from recgrid.engine.quiet import libraries_quiet
 from recgrid.engine.srp import ROW_WISE_EXCHANGES, install_srp
 
 if TYPE_CHECKING:  # torchrec is heavy; config validation imports SHARDINGS from here
@@ -91,7 +91,10 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
         )
         for name, dim in _tables(model)
     }
-    with _quiet_planner():  # also TorchRec 1.8's warning about a Topology built without its factory
+    # TorchRec's planner prints its whole proposal table at INFO and warns about its own storage
+    # heuristics on every plan (and TorchRec 1.8 about a Topology built without its factory): a
+    # plan is reported by recgrid (sharding_summary) instead
+    with libraries_quiet(("torchrec.distributed.planner",)):
         memory = {"hbm_cap": int(hbm_cap)} if device_type == "cuda" and hbm_cap is not None else {}
         topology = Topology(world_size=grid.group_size, compute_device=device_type,
                             local_world_size=grid.sharding_group_per_node, **memory)
@@ -100,24 +103,6 @@ def make_plan(model: "torch.nn.Module", grid: Grid, device_type: str, fused_para
         plan = planner.plan(model, [grid_sharder(fused_params)])
     _check_table_column_wise(plan, grid.group_size)
     return plan
-
-
-@contextlib.contextmanager
-def _quiet_planner():
-    """TorchRec's planner prints its whole proposal table at INFO and warns about its own
-    storage heuristics on every plan; a plan is reported by recgrid (sharding_summary) instead."""
-    import logging
-    import warnings
-
-    logger = logging.getLogger("torchrec.distributed.planner")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 def _ordered_enumerator(topology: Any, constraints: dict) -> Any:

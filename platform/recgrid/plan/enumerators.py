@@ -15,10 +15,9 @@ import contextlib
 import functools
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
+from recgrid.engine.quiet import libraries_quiet
 from recgrid.plan.constants import MIN_COLUMN_SHARD_BYTES
 from recgrid.plan.recscale import price_sparse_exchange
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec
@@ -37,23 +36,9 @@ PLAN_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise", "table_row_
 ROW_WISE = "row_wise"
 
 
-@contextlib.contextmanager
-def quiet_torchrec() -> Iterator[None]:
+def quiet_torchrec() -> contextlib.AbstractContextManager[None]:
     """TorchRec's planner logs tables and warnings at INFO/WARNING; recgrid prints its own."""
-    names = ("torchrec", "torch", "fbgemm_gpu")
-    saved = {n: logging.getLogger(n).level for n in names}
-    root = logging.getLogger().level
-    try:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        logging.getLogger().setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for n, lvl in saved.items():
-            logging.getLogger(n).setLevel(lvl)
-        logging.getLogger().setLevel(root)
+    return libraries_quiet(root=logging.ERROR)
 
 
 @functools.lru_cache(maxsize=8)
