@@ -33,6 +33,8 @@ import pytest
 
 from faults import BackgroundJob, mlflow_client, part_positions, ray_env, small_job, workers_of
 
+from recgrid.train.job import TABLE_DIGESTS_ENV
+
 WORKER_SLOT = "train.resources_per_worker={worker_slot: 1}"  # workers on the worker nodes only
 
 
@@ -285,7 +287,7 @@ def test_inter_host_groups_get_hosts_of_their_own_and_a_host_loss_leaves_one_tra
     assert len(by_group[0]) == len(by_group[1]) == 1 and not by_group[0] & by_group[1], by_group
 
 
-def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drained(cluster, tmp_path):
+def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drained(cluster, tmp_path, monkeypatch):
     """torchft (the derived default for this elastic job): started with room for one sharding group,
     the job trains at M=1 and grows to M=2 when a node is added, the new group healed from the live
     one; then `ray drain-node` with a deadline on the new node: that group leaves right after a
@@ -293,6 +295,7 @@ def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drai
     other group keeps its processes throughout, and the job ends FINISHED: the drained group's run,
     which Ray Train restarts and which waits for room, is ended by the driver."""
     K = 5
+    monkeypatch.setenv(TABLE_DIGESTS_ENV, "1")  # the workers note their tables' checksums (read below)
     c = cluster["cluster"]
     gone = cluster["nodes"].pop(1)  # room for one sharding group of L=2 at the start
     c.remove_node(gone)

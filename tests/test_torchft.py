@@ -25,6 +25,7 @@ import pytest
 
 from faults import BackgroundJob, mlflow_client, part_positions, read_again_from, workers_of
 from recgrid.config import load_config
+from recgrid.train.job import TABLE_DIGESTS_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 T, M, K, B = 4, 2, 5, 64
@@ -103,6 +104,7 @@ def job(tmp_path_factory, shared_ray):
     rng = random.Random(seed)
     t0 = time.time()
     before = listening()
+    os.environ[TABLE_DIGESTS_ENV] = "1"  # the workers note their tables' checksums (read below)
     bg = BackgroundJob(config)
     kills = []
     for n in range(2):
@@ -124,6 +126,7 @@ def job(tmp_path_factory, shared_ray):
     bg.wait_for(lambda s: s["last_step"] >= kills[-1]["event"]["step"] + 2 * K)
     bg.request_stop()
     result = bg.join()
+    os.environ.pop(TABLE_DIGESTS_ENV)
     assert result.status == "FINISHED", result.error
     out = {"config": config, "result": result, "kills": kills, "tmp": tmp, "seconds": time.time() - t0,
            "lighthouse": lighthouse,

@@ -84,6 +84,9 @@ class JobActors:
 
 STOP_GRACE_S = 20.0  # after the first interrupt, how long the workers get to stop before they are ended
 RUNS_END_GRACE_S = 10.0  # after the job's training ended, how long its groups' runs get to end on their own
+# ... and how long when a worker that trained is still finishing (the writing group's final checkpoint,
+# which the driver logs as the model: a loaded machine took more than RUNS_END_GRACE_S)
+RUNS_FINISH_GRACE_S = 180.0
 CONSOLE_POLL_S = 0.25  # how often the driver prints what the workers said
 # Ray Train's controller polls its worker group every 2 s by default (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
 # ray/train/v2/_internal/constants.py DEFAULT_HEALTH_CHECK_INTERVAL_S): a dead worker, and so the restart
@@ -419,7 +422,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.trainer_config import EngineConfig, LoopConfig
     from recgrid.train.entry import group_worker, pack
     from recgrid.train.recovery.peers import Lighthouse, bind_host
-    from recgrid.train.worker import WorkerJob
+    from recgrid.train.job import TABLE_DIGESTS_ENV, WorkerJob
 
     spec = config.dataset_spec()
     grid = config.build_grid()
@@ -457,8 +460,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
         # the job's torchft lighthouse, in this process (it outlives every sharding group's run)
         lighthouse = Lighthouse(bind_host(bool(os.environ.get("RAY_ADDRESS"))), config.min_groups)
         job = WorkerJob(
-            engine=engine, loop=LoopConfig.from_job(config), group_size=grid.group_size,
-            max_world_size=grid.world_size, layout=grid.layout, use_gpu=t.use_gpu, plan=plan,
+            engine=engine, loop=LoopConfig.from_job(config), grid=grid, use_gpu=t.use_gpu, plan=plan,
             train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
             tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
             run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
@@ -466,6 +468,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             lighthouse=lighthouse.address,
             min_groups=config.min_groups, start_groups=runs.start_groups(placeable_groups(config)),
             log_model=config.tracking.log_model and config.model.towers is None,  # towers: no checkpoint, no model
+            table_digests=os.environ.get(TABLE_DIGESTS_ENV) == "1",
         )
 
         def run_config(name: str) -> Any:
@@ -587,7 +590,10 @@ def _fit_watched(runs: "JobRuns", console: "Console", interrupts: "Interrupts", 
                     if meter is not None:
                         meter.maybe_log()
                 waiting = [i for i, th in enumerate(threads) if th.is_alive()]
-                if errors or (over_at is not None and time.monotonic() - over_at > RUNS_END_GRACE_S and waiting):
+                late = over_at is not None and waiting and time.monotonic() - over_at > RUNS_END_GRACE_S
+                if late and time.monotonic() - over_at < RUNS_FINISH_GRACE_S and _workers_finishing(control):
+                    late = False  # a group still ends its training (its final checkpoint, its notes): waited for
+                if errors or late:
                     ended.set()
                     if not errors:
                         say(f"the job's training ended; {len(waiting)} sharding group run(s) still waited for room "
@@ -863,6 +869,21 @@ def node_room(nodes: list[str]) -> dict[str, dict[str, Any]]:
                     for n in nodes], timeout=120)
     return {n: {"shm_free": f, "object_store": info.get(n, {}).get("Resources", {}).get("object_store_memory", 0),
                 "address": info.get(n, {}).get("NodeManagerAddress", "?")} for n, f in zip(nodes, free)}
+
+
+def _workers_finishing(control: Any) -> bool:
+    """Whether a worker of the writing group is still writing the job's final checkpoint (it noted
+    `final_checkpoint` before, and `final_step` once done): each rank's newest start."""
+    import ray
+
+    try:
+        attempts = ray.get(control.status.remote(), timeout=5)["attempts"]
+    except Exception:  # noqa: BLE001 - not known: not waited for
+        return False
+    newest: dict[Any, dict[str, Any]] = {}
+    for a in attempts:
+        newest.update(a["workers"])
+    return any("final_checkpoint" in w and "final_step" not in w for w in newest.values())
 
 
 def _training_over(control: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 def reread_window(sync_every: int) -> int:
     """How far back in its part a batch read again may lie: a rebuilt sharding group reads on from
-    its group's last noted sync step (`train.worker.GroupProgress`), so the batches of up to K - 1
+    its group's last noted sync step (`train.recovery.membership.GroupProgress`), so the batches of up to K - 1
     committed steps after it, and those of the rounds that did not commit when it broke (one or
     two), are read again."""
     return sync_every + 2

@@ -21,15 +21,13 @@ import os
 import time
 from typing import Any
 
-from recgrid.engine.grid import Grid
-
 
 class RecoveryEvents:
     """One worker's side of the recovery events (the module docstring): `record_start` at its
     group's first committed step, `log_new` at the logging worker's logging steps.
 
     Args:
-        job: the job (`train.worker.WorkerJob`: its control and recovery actors, grid shape, loop).
+        job: the job (`train.job.WorkerJob`: its control and recovery actors, grid shape, loop).
         heal: the group's `train.recovery.peers.HealTransport` (its heals and storage restore).
         group, shard: this worker's sharding group and shard rank.
         attempt, attempt_info: this worker's start, as job control has it.
@@ -82,7 +80,7 @@ class RecoveryEvents:
                      t_attempt_start=self.attempt_info["start"],
                      t_heal=restored["at"] if restored is not None else heal["at"] if heal else None,
                      t_first_step=now, seconds=now - detected,
-                     num_groups=live, world_size=(live or 1) * self.job.group_size)
+                     num_groups=live, world_size=(live or 1) * self.job.grid.group_size)
         ray.get(self.coordinator.record.remote(event))
 
     @staticmethod
@@ -115,7 +113,7 @@ class RecoveryEvents:
 
         seen = [self.attempt_info.get("failure_time") or self.attempt_info["start"]]
         last_commit = self.before.get("at", 0.0)
-        grid = Grid(self.job.max_world_size, self.job.max_world_size // self.job.group_size, self.job.layout)
+        grid = self.job.grid
         ranks = set(grid.sharding_groups[self.group])
         for a in ray.get(self.control.status.remote())["attempts"]:
             if (a.get("failure_time") or 0.0) > last_commit and ranks & {int(r) for r in a["workers"]}:
@@ -135,7 +133,7 @@ class RecoveryEvents:
         if not kept:
             return out
         history = others[kept[0]]["history"]  # every live group commits the same rounds
-        rows_per_step = self.job.loop.batch_size * self.job.group_size * len(kept)
+        rows_per_step = self.job.loop.batch_size * self.job.grid.group_size * len(kept)
 
         def commits(t0: float, t1: float) -> list[tuple[float, int]]:
             return [(t, step) for t, step in history if t0 <= t <= t1]
@@ -151,7 +149,7 @@ class RecoveryEvents:
         return out
 
     def log_new(self, report: Any, step: int) -> None:
-        """The logger's part (`report`: its `train.worker.Reporter`): the events rebuilt groups recorded, each logged once. Each at the
+        """The logger's part (`report`: its `train.report.Reporter`): the events rebuilt groups recorded, each logged once. Each at the
         step and time job control fixed for it (`JobControl.event_slot`), and marked logged only after
         the write: a logger killed in between (a kill aimed at the logging worker lands at a logging
         step) leaves the event to the next logger, whose identical write MLflow stores once."""

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from recgrid.engine.grid import Grid, GridGroups
+    from recgrid.train.job import WorkerJob
     from recgrid.train.trainer import Trainer
 
 KEEP_GENERATIONS = 2  # the newest complete generation and the one being written
@@ -603,3 +604,25 @@ class HolderRestore(_WorkerSide):
         return {"rank": self.rank, "shard": self.groups.coords.shard_rank, "digest": got, "source_digest": held,
                 "from_node": fetched["node"], "written_on": fetched["origin"],
                 "same_node": fetched["node"] == self.node, "via": fetched["via"]}
+
+
+def group_snapshots(job: "WorkerJob", trainer: "Trainer") -> tuple[Any, Any]:
+    """When the job takes in-memory snapshots (`JobConfig.snapshots`): this worker's snapshotter
+    (its shard position to its host's holder at the snapshot steps, while its group is the one
+    that writes) and the holders' side of a restore (`HolderRestore` over
+    the group's grid), else (None, None). Collective over the sharding group (its workers' hosts)."""
+    import ray
+    import torch.distributed as dist
+
+    if not job.snapshots.on:
+        return None, None
+    grid, groups = trainer.grid, trainer.groups
+    nodes: list[Any] = [None] * grid.world_size
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    control = job.control
+    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, nodes, job.snapshots,
+                              writes=lambda: trainer.replicas.evaluates(),
+                              agreed=lambda name: trainer.replicas.agreed(name),
+                              say=lambda msg: control.say.remote(f"[recgrid] {msg}"),
+                              pin=lambda step: control.pin.remote(step, "snapshot"))
+    return snapshotter, HolderRestore(job.recovery, grid, groups, nodes)

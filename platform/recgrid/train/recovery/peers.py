@@ -28,7 +28,7 @@ path's, the component decides what differs:
      asks the lighthouse: the quorum of the last meeting holds (a quorum is a barrier over the
      job's workers through two servers; docs/design-notes.md has what one per block cost). A
      group asking to join tells job control first (`JoinSignal.announce`), and the live groups
-     hear of it from the answer to their next progress note (`train.worker.GroupProgress`),
+     hear of it from the answer to their next progress note (`train.recovery.membership.GroupProgress`),
      within two blocks.
      A group behind the others (a rebuilt one) receives a live peer group's state over
      `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
@@ -79,7 +79,7 @@ last group to leave writes a storage checkpoint first), and the live groups meet
 their next block start.
 
 Who logs, evaluates and records the recoveries is the worker's business
-(`train.worker.GroupReport`, told of each quorum and commit through `GroupListener`).
+(`train.report.GroupReport`, told of each quorum and commit through `GroupListener`).
 """
 
 from __future__ import annotations
