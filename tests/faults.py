@@ -201,6 +201,6 @@ def ray_env() -> dict[str, str]:
 
 # Ray Train's preemption watcher (an actor per worker group start, for nodes Ray drains: none here)
 # costs every start a process and about 1 s; the suite tests no preemption where this is set. (The
-# controller's poll interval is the platform's own: `launch.ray.RUN_ENV`.)
+# controller's poll interval is the platform's own: `launch.runs.RUN_ENV`.)
 TRAIN_SUITE_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
