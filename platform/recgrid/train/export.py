@@ -1,8 +1,10 @@
-"""The job's metrics as Ray metrics, for Prometheus and Grafana: one table declares them all.
+"""The job's metric names, and the metrics as Ray metrics, for Prometheus and Grafana.
 
-This module owns what recgrid exports through Ray's metrics system: `METRICS` declares every
-exported metric once (its Ray name, description, tag keys, and the MLflow key whose value it
-carries), and `RayMetricsExporter` is what a training worker calls at each logging interval
+This module owns the one table of metrics (`TABLE`: every MLflow key recgrid logs, its unit, its
+meaning, who logs it and, for the exported ones, its Ray gauge), from which docs/reference.md's
+metrics section (`reference_table`) and the Prometheus definitions (`METRICS`: Ray name,
+description, tag keys, and the MLflow key whose value each carries) are generated.
+`RayMetricsExporter` is what a training worker calls at each logging interval
 with the same flat dict it logs to MLflow (`train/qps`, `time/lookup_s`, `sync/bytes_total`, ...,
 see `recgrid.train.metrics`). There is no second metrics server: Ray serves these on every
 node's metrics endpoint, next to its own Train metrics, with a `ray_` prefix
@@ -69,45 +71,179 @@ class MetricDef:
         return base + tuple(re.findall(r"\{(\w+)\}", self.key))
 
 
-def _d(key: str, name: str, description: str, scope: Literal["job", "worker"] = "job", scale: float = 1.0) -> MetricDef:
-    return MetricDef(key, "recgrid_" + name, description, scope, scale)
+@dataclass(frozen=True)
+class Metric:
+    """One row of the metrics table: an MLflow key (`<phase>`, `<kind>`, `<n>`: any phase, exchange
+    kind or recovery number), its unit, what it means, who logs it, and, for a metric Ray exports,
+    its Prometheus gauge (`exported`, after `recgrid_`), description, scope and scale."""
+
+    key: str
+    unit: str
+    meaning: str
+    logged_by: str
+    tag: bool = False  # an MLflow tag of the run, not a metric
+    exported: str | None = None
+    description: str = ""
+    scope: Literal["job", "worker"] = "job"
+    scale: float = 1.0
 
 
-METRICS: tuple[MetricDef, ...] = (
-    # progress and throughput
-    _d("step", "train_step", "Training steps taken (the step of the last logging interval)."),
-    _d("train/qps", "train_qps", "Training examples per second, all workers together, over the last logging interval."),
-    _d("train/step_time_s", "train_step_seconds", "Wall seconds per training step in the last logging interval (slowest worker)."),
-    _d("train/examples_total", "train_examples", "Training examples processed so far by all workers."),
-    _d("time/interval_s", "interval_seconds", "Wall seconds of the last logging interval (slowest worker)."),
-    _d("time/{phase}_s", "phase_seconds",
-       "Seconds a worker spent in a phase (recgrid.train.metrics.PHASES: lookup, lookup_kernel, dense, sync, data_wait, snapshot, "
-       "checkpoint) during the last logging interval, mean over workers."),
-    _d("time/{phase}_s_max", "phase_seconds_max", "Seconds in a phase during the last logging interval, max over workers."),
-    _d("imbalance/lookup_max_over_mean", "lookup_imbalance",
-       "Lookup imbalance: max / mean over workers of embedding-lookup kernel seconds in the last logging interval (1 = balanced)."),
-    # model quality
-    _d("train/loss", "train_loss", "Mean training loss per example over the last logging interval."),
-    _d("train/ne", "train_ne", "Normalized entropy over the recent training window (< 1 beats predicting the base rate)."),
-    _d("eval/ne", "eval_ne", "Normalized entropy over the last evaluation's rows."),
-    _d("eval/auc", "eval_auc", "ROC AUC over the last evaluation's rows."),
-    # memory
-    _d("memory/peak_mb_max", "memory_peak_bytes_max", "Peak memory of a worker in bytes, max over workers (CUDA allocated on GPU, RSS on CPU).", scale=MIB),
-    _d("memory/peak_mb_mean", "memory_peak_bytes_mean", "Peak memory of a worker in bytes, mean over workers.", scale=MIB),
-    _d("memory/peak_mb", "worker_memory_peak_bytes", "This worker's peak memory in bytes (CUDA allocated on GPU, RSS on CPU).", "worker", MIB),
-    # replica-group sync, as this worker saw it
-    _d("sync/count", "sync_count", "Replica-group syncs so far (0 when M = 1).", "worker"),
-    _d("sync/seconds_total", "sync_seconds", "Seconds this worker spent in replica-group syncs so far.", "worker"),
-    _d("sync/bytes_total", "sync_bytes", "Bytes this worker put into replica-group all-reduces so far (embedding weights + optimizer states).", "worker"),
-    _d("sync/seconds_last", "sync_last_seconds", "Seconds of this worker's last replica-group sync.", "worker"),
-    _d("sync/bytes_last", "sync_last_bytes", "Bytes of this worker's last replica-group sync.", "worker"),
-    # the grid and recovery
-    _d("grid/num_groups", "grid_num_groups", "M: sharding groups training now (changes when the job shrinks or grows)."),
-    _d("grid/world_size", "grid_world_size", "T: workers training now."),
-    _d("recovery/count", "recovery_count", "Recoveries (restarts with restored state) so far in this job."),
-    _d("recovery/seconds", "recovery_seconds", "Seconds the last recovery took, from the failure detected to the first step after it."),
-    _d("recovery/steps_lost", "recovery_steps_lost", "Training steps the last recovery lost (redone after the restore)."),
+INTERVAL = "trainer, every logging interval"
+EVAL = "trainer, every evaluation"
+RECOVERY = "logging worker, at a recovery's first committed step"
+
+TABLE: tuple[Metric, ...] = (
+    Metric("step", "steps", "training steps taken (the step of the last logging interval)", "Ray metrics only",
+           exported="train_step", description="Training steps taken (the step of the last logging interval)."),
+    Metric("train/loss", "nats", "mean training loss per example over the logging interval (the loss the workers passed "
+           "to `TrainMetrics.update`, row-weighted; log loss in nats of the predictions if none was passed)", INTERVAL,
+           exported="train_loss", description="Mean training loss per example over the last logging interval."),
+    Metric("train/ne", "1", "normalized entropy over the last `window_steps` training steps of all workers: "
+           "cross-entropy / entropy of the base rate (TorchRec's NE; < 1 means better than predicting the base rate)",
+           INTERVAL, exported="train_ne",
+           description="Normalized entropy over the recent training window (< 1 beats predicting the base rate)."),
+    Metric("train/accuracy", "1", "fraction of rows in the NE window where `prediction >= 0.5` matches the label", INTERVAL),
+    Metric("train/positive_rate", "1", "fraction of positive labels in the NE window", INTERVAL),
+    Metric("train/calibration", "1", "mean prediction / mean label in the NE window (1 = calibrated)", INTERVAL),
+    Metric("train/qps", "examples/s", "training examples per second, globally: examples of all workers in the interval / "
+           "the interval's wall seconds (slowest worker)", INTERVAL, exported="train_qps",
+           description="Training examples per second, all workers together, over the last logging interval."),
+    Metric("train/step_time_s", "s", "wall seconds per training step in the interval (slowest worker)", INTERVAL,
+           exported="train_step_seconds",
+           description="Wall seconds per training step in the last logging interval (slowest worker)."),
+    Metric("train/qps_median", "examples/s", "the median of `train/qps` over the run's logging intervals (an interval "
+           "holding an epoch's start-up or an evaluation does not skew it)", "driver, once at the end"),
+    Metric("train/step_time_s_median", "s", "the median of `train/step_time_s` over the run's logging intervals",
+           "driver, once at the end"),
+    Metric("imbalance/lookup_max_over_mean_median", "1", "the median of `imbalance/lookup_max_over_mean` over the run's "
+           "logging intervals", "driver, once at the end"),
+    Metric("train/examples_total", "examples", "training examples processed so far by all workers", INTERVAL,
+           exported="train_examples", description="Training examples processed so far by all workers."),
+    Metric("time/interval_s", "s", "wall seconds of the logging interval (slowest worker)", INTERVAL,
+           exported="interval_seconds", description="Wall seconds of the last logging interval (slowest worker)."),
+    Metric("time/<phase>_s", "s", "seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: "
+           "`lookup` (the sparse arch's forward: id all-to-all, embedding lookup, pooled all-to-all inside the sharding "
+           "group), `lookup_kernel` (this worker's fused-kernel lookups alone, inside `lookup`), `dense` (the rest of the "
+           "step: interaction, MLPs, backward with the fused embedding update, dense optimizer), `sync` (replica-group "
+           "sync of weights and optimizer states), `data_wait` (waiting for the next batch), `snapshot` (handing "
+           "in-memory copies of the shards to the node's holder, at snapshot steps), `checkpoint` (writing a storage "
+           "checkpoint). On GPU workers the phases are timed with CUDA events on the compute stream and read once per "
+           "interval: `lookup`, `dense` and `sync` are device time (`dense` is the step's device time minus its "
+           "`lookup`), `data_wait` is the host's wait for the next batch, which the training pipeline overlaps with "
+           "device work", INTERVAL, exported="phase_seconds",
+           description="Seconds a worker spent in a phase (recgrid.train.metrics.PHASES: lookup, lookup_kernel, dense, "
+           "sync, data_wait, snapshot, checkpoint) during the last logging interval, mean over workers."),
+    Metric("time/<phase>_s_max", "s", "the same, max over workers", INTERVAL, exported="phase_seconds_max",
+           description="Seconds in a phase during the last logging interval, max over workers."),
+    Metric("data/wait_s", "s", "seconds the trainer waited for its next batch from Ray Data during the interval (the "
+           "`data_wait` phase), max over workers: every step waits for the slowest worker's input", INTERVAL),
+    Metric("imbalance/lookup_max_over_mean", "1", "lookup imbalance ratio, as in the 2D paper: max / mean over workers "
+           "of per-worker embedding-lookup seconds in the interval (the training loop feeds it `lookup_kernel`, the "
+           "kernels' own time, free of all-to-all waits; 1 = balanced)", INTERVAL, exported="lookup_imbalance",
+           description="Lookup imbalance: max / mean over workers of embedding-lookup kernel seconds in the last "
+           "logging interval (1 = balanced)."),
+    Metric("sync/count", "syncs", "replica syncs so far (0 when M = 1)", INTERVAL, exported="sync_count",
+           description="Replica-group syncs so far (0 when M = 1).", scope="worker"),
+    Metric("sync/seconds_total", "s", "seconds this worker spent in replica syncs so far", INTERVAL,
+           exported="sync_seconds", description="Seconds this worker spent in replica-group syncs so far.",
+           scope="worker"),
+    Metric("sync/seconds_last", "s", "seconds this worker spent in the last replica sync", INTERVAL,
+           exported="sync_last_seconds", description="Seconds of this worker's last replica-group sync.", scope="worker"),
+    Metric("sync/bytes_total", "bytes", "bytes this worker put into the replica-group all-reduce (embedding weights + "
+           "optimizer states of its shards) so far", INTERVAL, exported="sync_bytes",
+           description="Bytes this worker put into replica-group all-reduces so far (embedding weights + optimizer "
+           "states).", scope="worker"),
+    Metric("sync/bytes_last", "bytes", "the same, in the last sync", INTERVAL, exported="sync_last_bytes",
+           description="Bytes of this worker's last replica-group sync.", scope="worker"),
+    Metric("exchange/world_size/<kind>", "workers", "world size of each all-to-all of the embedding exchange (the "
+           "forward one that returns looked-up embeddings to the workers owning the samples; the id distribution before "
+           "the lookup is not counted). Kinds: `flat` (TorchRec's pooled all-to-all over the sharding group, L workers; "
+           "table-, column- and row-wise tables), `intra_tower` and `cross_tower` (DMT's SPTT: inside a tower, L / N "
+           "workers; among the N towers' peers)", INTERVAL),
+    Metric("exchange/bytes/<kind>", "bytes", "bytes a worker sends to other workers per training step in that "
+           "all-to-all (forward; backward sends as many back), mean over workers and steps of the interval", INTERVAL),
+    Metric("exchange/bytes/row_wise", "bytes", "the part of the `flat` exchange that row-wise shards send: with "
+           "`model.row_wise_exchange: dense` TorchRec's reduce-scatter (a partial sum for every bag of every peer, zeros "
+           "included), with `sparse` SRP's all-to-all (only the partial sums of bags that have ids on the shard: "
+           "`engine.srp`); absent when no table is row-wise (table-row-wise shards are not counted)", INTERVAL),
+    Metric("exchange/world_size/row_wise", "workers", "the world size of that part", INTERVAL),
+    Metric("exchange/bytes/cross_host", "bytes", "the same summed over the exchange's all-to-alls, sent to a receiver "
+           "on another host (hosts as the grid's `workers_per_node` places them)", INTERVAL),
+    Metric("exchange/bytes/intra_host", "bytes", "the same, sent to a receiver on this worker's host", INTERVAL),
+    Metric("exchange/world_size/cross_host", "workers", "the largest world size of an all-to-all that sends bytes "
+           "across hosts: L (T when M = 1) for the flat exchange, N (the towers) for SPTT", INTERVAL),
+    Metric("memory/peak_mb_max", "MiB", "peak memory of a worker in MiB, max over workers: "
+           "`torch.cuda.max_memory_allocated` on GPU workers, peak resident set size of the worker process on CPU "
+           "workers", INTERVAL, exported="memory_peak_bytes_max",
+           description="Peak memory of a worker in bytes, max over workers (CUDA allocated on GPU, RSS on CPU).",
+           scale=MIB),
+    Metric("memory/peak_mb_mean", "MiB", "the same, mean over workers", INTERVAL, exported="memory_peak_bytes_mean",
+           description="Peak memory of a worker in bytes, mean over workers.", scale=MIB),
+    Metric("memory/peak_mb", "MiB", "this worker's own peak memory", "every worker, Ray metrics only",
+           exported="worker_memory_peak_bytes",
+           description="This worker's peak memory in bytes (CUDA allocated on GPU, RSS on CPU).", scope="worker",
+           scale=MIB),
+    Metric("memory/embedding_bytes", "bytes", "bytes of the embedding tables' weights of ONE model copy (every table, "
+           "at the table data type; the job holds M copies): with `model.compression: qr` the compressed tables "
+           "(quotient, remainder and head tables), so the uncompressed figure over this one is the memory reduction",
+           "driver, once at step 0"),
+    Metric("eval/ne", "1", "normalized entropy over all eval rows of all workers", EVAL, exported="eval_ne",
+           description="Normalized entropy over the last evaluation's rows."),
+    Metric("eval/auc", "1", "ROC AUC over all eval rows of all workers, from a 2^18-bin histogram of predicted "
+           "probabilities (`train.metrics`)", EVAL, exported="eval_auc",
+           description="ROC AUC over the last evaluation's rows."),
+    Metric("eval/auc_max_error", "1", "upper bound on `|eval/auc - exact AUC|` due to binning (half the share of "
+           "positive/negative pairs that fall in one bin)", EVAL),
+    Metric("eval/logloss", "nats", "mean log loss per eval row, in nats (TorchRec's `compute_logloss` is in bits: "
+           "divide by ln 2)", EVAL),
+    Metric("eval/accuracy", "1", "fraction of eval rows where `prediction >= 0.5` matches the label", EVAL),
+    Metric("eval/positive_rate", "1", "fraction of positive eval labels", EVAL),
+    Metric("eval/calibration", "1", "mean prediction / mean label over the eval rows", EVAL),
+    Metric("eval/examples", "rows", "eval rows of all workers (sum of weights when weights are given)", EVAL),
+    Metric("grid/num_groups", "groups", "M: the live sharding groups from this step on (M over time)",
+           "logging worker, whenever the live count changes", exported="grid_num_groups",
+           description="M: sharding groups training now (changes when the job shrinks or grows)."),
+    Metric("grid/world_size", "workers", "T: the live groups' workers from this step on",
+           "logging worker, whenever the live count changes", exported="grid_world_size",
+           description="T: workers training now."),
+    Metric("recovery/count", "recoveries", "recoveries so far (a rebuilt sharding group's heal or restore)", RECOVERY,
+           exported="recovery_count", description="Recoveries (restarts with restored state) so far in this job."),
+    Metric("recovery/seconds", "s", "seconds from the failure being detected to the rebuilt group's first committed "
+           "step", RECOVERY, exported="recovery_seconds",
+           description="Seconds the last recovery took, from the failure detected to the first step after it."),
+    Metric("recovery/steps_lost", "steps", "the rebuilt group's committed steps that it trains again (0 after a heal "
+           "from a live peer)", RECOVERY, exported="recovery_steps_lost",
+           description="Training steps the last recovery lost (redone after the restore)."),
+    Metric("recovery/source/<n>", "", "recovery n's source: `peer` (a live peer group's copy), `holder` (the hosts' "
+           "in-memory snapshot), `storage`, `resume` (`train.resume_from`) or `fresh` (step 0)", RECOVERY, tag=True),
+    Metric("recovery/why/<n>", "", "the sentence the log printed for recovery n", RECOVERY, tag=True),
+    Metric("recovery/detail/<n>", "", "where recovery n's shards or checkpoint came from", RECOVERY, tag=True),
+    Metric("recovery/survivors_qps", "examples/s", "the QPS of the sharding groups that kept training while the failed "
+           "group was rebuilt", RECOVERY),
+    Metric("recovery/survivors_qps_before", "examples/s", "their QPS over as long a span before the failure", RECOVERY),
+    Metric("recovery/survivors_steps", "steps", "the steps they took meanwhile", RECOVERY),
+    Metric("recovery/kept_training/<n>", "", "the sharding groups that kept training through recovery n", RECOVERY,
+           tag=True),
 )
+
+
+def reference_table() -> str:
+    """docs/reference.md's metrics table, as Markdown (the doc holds exactly this between its
+    metrics-table markers; a test checks it)."""
+    lines = ["| name | unit | meaning | logged by |", "|---|---|---|---|"]
+    for m in TABLE:
+        name = f"tag `{m.key}`" if m.tag else f"`{m.key}`"
+        lines.append(f"| {name} | {m.unit} | {m.meaning} | {m.logged_by} |")
+    return "\n".join(lines)
+
+
+def _def(m: Metric) -> MetricDef:
+    key = re.sub(r"<(\w+)>", r"{\1}", m.key)
+    return MetricDef(key, "recgrid_" + str(m.exported), m.description, m.scope, m.scale)
+
+
+# the Prometheus definitions: the table's exported rows
+METRICS: tuple[MetricDef, ...] = tuple(_def(m) for m in TABLE if m.exported)
 
 
 def exported_names() -> set[str]:

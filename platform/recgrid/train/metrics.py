@@ -7,50 +7,8 @@ into the job's numbers (`reduce_metrics`). Every state is a plain sum (or a maxi
 uneven split of rows between workers: NE and AUC are computed from summed states, never
 averaged from per-worker NE or AUC.
 
-Metric names (the keys `reduce_metrics` returns, logged to MLflow as they are):
-
-| name | meaning |
-|---|---|
-| `train/loss` | mean training loss per example over the logging interval (the loss the workers passed to `TrainMetrics.update`, row-weighted; log loss in nats of the predictions if none was passed) |
-| `train/ne` | normalized entropy over the last `window_steps` training steps of all workers: cross-entropy / entropy of the base rate (TorchRec's NE; < 1 means better than predicting the base rate) |
-| `train/accuracy` | fraction of rows in the NE window where `prediction >= 0.5` matches the label |
-| `train/positive_rate` | fraction of positive labels in the NE window |
-| `train/calibration` | mean prediction / mean label in the NE window (1 = calibrated) |
-| `train/qps` | training examples per second, globally: examples of all workers in the interval / the interval's wall seconds (slowest worker) |
-| `train/step_time_s` | wall seconds per training step in the interval (slowest worker) |
-| `train/qps_median`, `train/step_time_s_median` | the median of `train/qps` and `train/step_time_s` over the run's logging intervals, logged once at the end by the launcher (an interval holding an epoch's start-up or an evaluation does not skew it) |
-| `train/examples_total` | training examples processed so far by all workers |
-| `time/interval_s` | wall seconds of the logging interval (slowest worker) |
-| `time/<phase>_s` | seconds a worker spent in `<phase>` during the interval, mean over workers. Phases: `lookup` (the sparse arch's forward: id all-to-all, embedding lookup, pooled all-to-all inside the sharding group), `lookup_kernel` (this worker's fused-kernel lookups alone, inside `lookup`), `dense` (the rest of the step: interaction, MLPs, backward with the fused embedding update, dense optimizer), `sync` (replica-group sync of weights and optimizer states), `data_wait` (waiting for the next batch), `snapshot` (handing in-memory copies of the shards to the node's holder, at snapshot steps), `checkpoint` (writing a storage checkpoint). On GPU workers the phases are timed with CUDA events on the compute stream and read once per interval: `lookup`, `dense` and `sync` are device time (`dense` is the step's device time minus its `lookup`), `data_wait` is the host's wait for the next batch, which the training pipeline overlaps with device work |
-| `time/<phase>_s_max` | the same, max over workers |
-| `data/wait_s` | seconds the trainer waited for its next batch from Ray Data during the interval (the `data_wait` phase), max over workers: every step waits for the slowest worker's input |
-| `imbalance/lookup_max_over_mean` | lookup imbalance ratio, as in the 2D paper: max / mean over workers of per-worker embedding-lookup seconds in the interval (the training loop feeds it `lookup_kernel`, the kernels' own time, free of all-to-all waits; 1 = balanced) |
-| `sync/count` | replica syncs so far (0 when M = 1) |
-| `sync/seconds_total`, `sync/seconds_last` | seconds this worker spent in replica syncs so far, and in the last one |
-| `sync/bytes_total`, `sync/bytes_last` | bytes this worker put into the replica-group all-reduce (embedding weights + optimizer states of its shards) so far, and in the last sync |
-| `exchange/world_size/<kind>` | world size of each all-to-all of the embedding exchange (the forward one that returns looked-up embeddings to the workers owning the samples; the id distribution before the lookup is not counted). Kinds: `flat` (TorchRec's pooled all-to-all over the sharding group, L workers; table-, column- and row-wise tables), `intra_tower` and `cross_tower` (DMT's SPTT: inside a tower, L / N workers; among the N towers' peers) |
-| `exchange/bytes/<kind>` | bytes a worker sends to other workers per training step in that all-to-all (forward; backward sends as many back), mean over workers and steps of the interval |
-| `exchange/bytes/row_wise`, `exchange/world_size/row_wise` | the part of the `flat` exchange that row-wise shards send: with `model.row_wise_exchange: dense` TorchRec's reduce-scatter (a partial sum for every bag of every peer, zeros included), with `sparse` SRP's all-to-all (only the partial sums of bags that have ids on the shard: `engine.srp`); absent when no table is row-wise (table-row-wise shards are not counted) |
-| `exchange/bytes/cross_host`, `exchange/bytes/intra_host` | the same summed over the exchange's all-to-alls, split by whether the receiver is on another host (hosts as the grid's `workers_per_node` places them) |
-| `exchange/world_size/cross_host` | the largest world size of an all-to-all that sends bytes across hosts: L (T when M = 1) for the flat exchange, N (the towers) for SPTT |
-| `memory/peak_mb_max` | peak memory of a worker in MiB, max over workers: `torch.cuda.max_memory_allocated` on GPU workers, peak resident set size of the worker process on CPU workers |
-| `memory/peak_mb_mean` | the same, mean over workers |
-| `memory/embedding_bytes` | bytes of the embedding tables' weights of ONE model copy (every table, at the table data type; the job holds M copies), logged once at step 0 by the launcher: with `model.compression: qr` the compressed tables (quotient, remainder and head tables), so the uncompressed figure over this one is the memory reduction |
-| `eval/ne` | normalized entropy over all eval rows of all workers |
-| `eval/auc` | ROC AUC over all eval rows of all workers, from a 2^18-bin histogram of predicted probabilities (see below) |
-| `eval/auc_max_error` | upper bound on `|eval/auc - exact AUC|` due to binning (half the share of positive/negative pairs that fall in one bin) |
-| `eval/logloss` | mean log loss per eval row, in nats (TorchRec's `compute_logloss` is in bits: divide by ln 2) |
-| `eval/accuracy` | fraction of eval rows where `prediction >= 0.5` matches the label |
-| `eval/positive_rate` | fraction of positive eval labels |
-| `eval/calibration` | mean prediction / mean label over the eval rows |
-| `eval/examples` | eval rows of all workers (sum of weights when weights are given) |
-| `grid/num_groups`, `grid/world_size` | the live sharding groups and their workers from this step on (logged whenever the live count changes: M over time) |
-| `recovery/count` | recoveries so far (a rebuilt sharding group's heal or restore), logged at its first committed step |
-| `recovery/seconds` | seconds from the failure being detected to the rebuilt group's first committed step |
-| `recovery/steps_lost` | the rebuilt group's committed steps that it trains again (0 after a heal from a live peer) |
-| tags `recovery/source/<n>`, `recovery/why/<n>`, `recovery/detail/<n>` | per recovery: `peer` (a live peer group's copy), `holder` (M = 1: the group's own snapshot on the node holders), `storage`, `resume` (`train.resume_from`) or `fresh` (step 0), the sentence the log printed, and where the shards or the checkpoint came from |
-| `recovery/survivors_qps`, `recovery/survivors_qps_before`, `recovery/survivors_steps` | the QPS of the sharding groups that kept training while the failed group was rebuilt, their QPS over as long a span before the failure, and the steps they took meanwhile |
-| tag `recovery/kept_training/<n>` | the sharding groups that kept training through recovery n |
+Metric names, units, meanings and who logs them: the one table, `recgrid.train.export.TABLE`
+(docs/reference.md's metrics section is generated from it).
 
 The `lookup` phase includes the all-to-all, so a fast worker's wait for the slowest one is
 charged to its lookup time and pulls the ratio toward 1; to see the raw per-worker kernel
