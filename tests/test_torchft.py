@@ -349,7 +349,7 @@ def _managers(n: int, body, min_replicas: int | None = None, heartbeat_timeout_m
             store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             pg = ProcessGroupGloo(timeout=timedelta(seconds=20))
             manager = Manager(pg=pg, load_state_dict=lambda sd: None,
-                              state_dict=lambda: {}, min_replica_size=least, use_async_quorum=False,
+                              state_dict=lambda: {}, min_replica_size=least, use_async_quorum=False, init_sync=False,
                               timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30), rank=0,
                               world_size=1, replica_id=f"avg_{i}", store_addr="localhost", store_port=store.port,
                               lighthouse_addr=address)
