@@ -4,35 +4,23 @@ The driver only wires: it validates the config (before any worker starts), opens
 MLflow run, makes sure the data exists (synthetic data for the demo), connects to Ray (an
 embedded local cluster sized for the job, or $RAY_ADDRESS), makes and records the sharding
 plan (once per job: every restart replays it), counts the training rows, starts the job's two
-actors, which outlive every worker group (job control, `train.control`: attempts, stop,
-heartbeats; the recovery coordinator, `train.recovery.coordinator`: snapshot holders, restore plan, events),
-translates the JobConfig once into what the workers build from (`EngineConfig.from_job`,
-`LoopConfig.from_job`, `WorkerJob`), and hands the workers to Ray Train: one `TorchTrainer` run
-per sharding group, side by side, with `train.worker.train_group_worker` as their body and the
-job's torchft lighthouse in this process, through `train.entry` (light to import: Ray Train's
-controller unpickles it). When Ray Train is done it closes the run and prints the summary. What
-runs on the workers lives in `train/`.
+actors, which outlive every worker group (job control, `train.control`; the recovery
+coordinator, `train.recovery.coordinator`), translates the JobConfig once into what the workers
+build from (`EngineConfig.from_job`, `LoopConfig.from_job`, `train.job.WorkerJob`), and hands the
+workers to Ray Train: one `TorchTrainer` run per sharding group, side by side, with
+`train.worker.train_group_worker` as their body and the job's torchft lighthouse in this process,
+through `train.entry` (light to import). The runs themselves, where they go, who owns them and
+when they start again: `launch.runs`. When Ray Train is done the driver logs the model, closes
+the run and prints the summary.
 
-The sharding groups' runs (`launch.runs`) are owned by one small actor of the job (`GroupRuns`,
-on this node), so the driver can end them: a run that Ray Train restarted after a node loss or a
-drain waits for room, and when the other groups have finished the job (or one run's failures are
-spent) the driver ends what is left of them by ending that actor (Ray's owner fate-sharing: Ray
-Train has no public call that ends a run from another process). The runs are pinned to nodes as
-the layout wants (`launch.placement`): host-local shard position s of every group on one node,
-inter-host each group on nodes of its own; when a pinned node is gone the driver ends the runs
-that had a worker there and starts them again pinned to live nodes (`JobRuns`).
-
-The console: Ray's forwarding of worker output to the driver is off (`log_to_driver=False`); the
-workers hand their lines (progress, recoveries, failures) to job control and the driver prints
-them (`launch.runs.Console`), unprefixed. A job that fails prints the workers' tracebacks (stderr).
+The console: Ray's forwarding of worker output is off (`log_to_driver=False`); the workers hand
+their lines to job control and the driver prints them (`launch.runs.Console`), unprefixed.
 
 Interrupts (`Interrupts`): Ray Train's fit runs in a thread of its own, so SIGINT and SIGTERM
-reach the driver's handler instead of Ray Train's (which aborts the workers at once). The first
-asks the workers to stop at their next sync step (`JobControl.request_stop(interrupt=True)`);
-they write a checkpoint if the job has checkpoints and skip the final evaluation; the run ends
-KILLED, tagged `interrupted` with the step, and `recgrid train` exits 128 + the signal (130 after
-Ctrl-C, 143 after SIGTERM). A second signal, or workers that have not stopped within
-`STOP_GRACE_S`, end the job at once (Ray's local cluster shut down with its workers).
+reach the driver's handler. The first asks the workers to stop at their next sync step (they
+write a checkpoint if the job has checkpoints and skip the final evaluation; the run ends KILLED,
+tagged `interrupted`, and `recgrid train` exits 128 + the signal: 130, 143); a second signal, or
+workers that have not stopped within `STOP_GRACE_S`, end the job at once.
 """
 
 from __future__ import annotations

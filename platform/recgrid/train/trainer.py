@@ -3,46 +3,27 @@
 `Trainer` separates two things, as TorchTitan's trainer does:
 - runtime handles, rebuilt on every start: process groups, device, the sharded model wrapper,
   the optimizer objects, the replica sync, the metrics component and its phase timer;
-- `TrainerState`, the state that must survive a restart: step, examples, the data cursor, the
-  replica sync's counters and in-flight delayed average, the evaluation mark.
-The state inventory is one: `snapshot()` gives this worker's share of all of it (its shards, the
-dense part, the progress, its NE window: `Snapshot`), and `load_snapshot()` loads one. In-memory
-copies (`train.recovery.holders`: the shards as flat tensors in shared-memory slot files) and torchft's
-heal (`train.recovery.peers`: `Snapshot.to_dict()` over its transport) carry exactly that; `state_dict()` /
-`load_state_dict()` carry the same parts for `torch.distributed.checkpoint` (`train.checkpoint`),
-the shards in the DMP's sharded form so that DCP can reshard them. The loop never knows which
-source a restore came from.
+- `TrainerState` (`train.state`), the state that must survive a restart: step, examples, the
+  data cursor, the replica sync's counters and in-flight delayed average, the evaluation mark.
+The state inventory is one: `snapshot()` gives this worker's share of all of it (`Snapshot`),
+and `load_snapshot()` loads one; in-memory copies (`train.recovery.holders`) and torchft's heal
+(`train.recovery.peers`) carry exactly that, and `state_dict()` / `load_state_dict()` carry the
+same parts for `torch.distributed.checkpoint` (`train.checkpoint`), the shards in the DMP's
+sharded form so that DCP can reshard them. The loop never knows which source a restore came from.
 
 `fit` is the one step loop of every path. What differs between a grid in one torch world (the
 local launcher, benchmarks) and a sharding group meeting its peers through torchft (every Ray
 job) is a component the loop calls (`Replicas`: start of a round, commit, replica sync, metric
-reduction, stop agreement; `train.recovery.peers.TorchftReplicas` for torchft). What
-runs at a step's end and owns its own cadence (snapshots, storage checkpoints, heartbeats) is
-handed in as `FitHooks.after_step`.
+reduction, stop agreement; `train.recovery.peers.TorchftReplicas` for torchft). What runs at a
+step's end and owns its own cadence (snapshots, storage checkpoints, heartbeats) is handed in as
+`FitHooks.after_step`. The sharding plan is the job's, made once and replayed
+(`engine.sharding.make_plan`); a trainer built without one agrees on one with its peers.
 
-The sharding plan is the job's, made once and replayed (`engine.sharding.make_plan`); a
-trainer built without one agrees on one with its peers (local launches, tests, benchmarks).
-
-On CUDA (`engine.device` decides every CPU/GPU difference) the loop differs in three ways; the
-CPU loop is the plain one, step by step, timed on the host clock:
-- Steps run through TorchRec's `TrainPipelineSparseDist`, which copies batch i+2 to the device
-  and runs batch i+1's input all-to-all on side streams while batch i computes. Steps are
-  counted from the pipeline's outputs (one per trained batch), so the step, the examples and
-  the data cursor count trained batches only; batches it has prefetched but not trained are
-  not in the state. The replica sync runs after a step's optimizer, as in the plain loop (the
-  pipeline only looks ahead at ids, never at weights), so snapshots and checkpoints at sync
-  points hold exactly the plain loop's state. A restore drops the pipeline with its prefetched
-  batches (the restored cursor says where the data resumes); an evaluation drops it too, and its
-  prefetched batches are fed again to the next one (`BatchFeeder`), so no row is skipped or
-  trained twice. The pipeline only reads ahead within what the loop will train (a segment's
-  remaining steps, `max_steps`), so it drains at the end of every epoch and of training.
-- Phases are timed with CUDA events (`train.metrics.DeferredPhaseTimer`) read once per logging
-  interval: no `torch.cuda.synchronize()` per step. "dense" is the step's device time minus its
-  "lookup" spans; "data_wait" is the host's wait for the next batch, before the step opens.
-- Precision (`EngineConfig.precision`): TF32 matmuls by default, fp32, or bf16 autocast of the
-  training forward (evaluation never autocasts: float32 predictions); fp16 tables come with the model (`ModelSpec.embedding_dtype`, TorchRec's table data
-  type, which sets the fused kernel's weights precision).
-The plain loop stays available on CUDA (`pipeline=False`: it synchronizes every step) to compare.
+On CUDA (`engine.device` decides every CPU/GPU difference) steps run through TorchRec's
+`TrainPipelineSparseDist` (`train.pipeline`), phases are timed with CUDA events read once per
+logging interval, and precision is a config choice; the CPU loop is the plain one, step by step,
+timed on the host clock (`pipeline=False` keeps it on CUDA, to compare). How and why:
+docs/design-notes.md, "GPUs".
 """
 
 from __future__ import annotations
@@ -50,8 +31,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -59,73 +38,19 @@ import torch.distributed as dist
 from torch import nn
 
 from recgrid.data.stream import EvalData, TrainData
-from recgrid.data.units import DataCursor
 from recgrid.engine.device import autocast, configure_matmul, pipelined, resolve_precision, synchronize
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import build_model
 from recgrid.engine.optimizer import dense_optimizer
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
-from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, SyncState, embedding_weights, optimizer_states, sync_step
+from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, embedding_weights, optimizer_states, sync_step
 from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
+from recgrid.train.pipeline import BatchFeeder, RoundCommit
+from recgrid.train.state import FitHooks, LoopResult, Snapshot, StepOutput, TrainerState
 from recgrid.trainer_config import EngineConfig, LoopConfig
 
 STOP_CHECK_MIN_STEPS = 5  # the fewest steps between two stop checks (`stop_check_steps`)
-
-
-@dataclass
-class TrainerState:
-    """The scalar state that must survive a restart (the tensors live in the model and
-    optimizers; `Trainer.state_dict()` gathers everything)."""
-
-    step: int = 0  # finished steps
-    examples: int = 0  # examples trained by all workers
-    cursor: DataCursor = field(default_factory=DataCursor)
-    sync: SyncState = field(default_factory=SyncState)
-    evaluated_at: int = -1
-
-    def progress(self) -> dict[str, Any]:
-        return {"step": self.step, "examples": self.examples, "cursor": self.cursor.state_dict(),
-                "sync": self.sync.counters(), "evaluated_at": self.evaluated_at}
-
-    def load_progress(self, p: dict[str, Any]) -> None:
-        self.step, self.examples, self.evaluated_at = int(p["step"]), int(p["examples"]), int(p["evaluated_at"])
-        self.cursor.load_state_dict(p["cursor"])
-        self.sync.load_counters(p["sync"])
-
-
-@dataclass
-class StepOutput:
-    loss: torch.Tensor  # detached scalar
-    logits: torch.Tensor  # detached [B]
-    labels: torch.Tensor  # [B]
-    seconds: float  # compute seconds of this step (forward, backward, optimizers; no replica agreement)
-    step: int = 0  # the step this batch counts for
-    committed: bool = True  # False: a torchft round that did not commit (the batch is consumed, no step taken)
-
-
-@dataclass
-class Snapshot:
-    """This worker's share of the trainer's one state inventory, as plain tensors: its shards
-    (embedding weights, optimizer states), the dense part (parameters and optimizer state by
-    name), the scalar progress (step, examples, data cursor, sync counters) and this worker's own
-    NE window. The shards are the same for
-    every member of a replica group right after a sync; the dense part and progress are the
-    same on every worker. `Trainer.state_dict()` holds the same parts, the shards in the DMP's
-    sharded form (for DCP's resharding)."""
-
-    shard: list[torch.Tensor]
-    dense: dict[str, torch.Tensor]
-    progress: dict[str, Any]
-    window: torch.Tensor
-
-    def to_dict(self) -> dict[str, Any]:
-        """A transport's form (torchft's heal): tensors in lists and dicts, the progress as JSON."""
-        return {"shard": self.shard, "dense": self.dense, "progress": json.dumps(self.progress), "window": self.window}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
-        return cls(list(d["shard"]), dict(d["dense"]), json.loads(d["progress"]), d["window"])
 
 
 def stop_check_steps(sync_every: int) -> int:
@@ -133,35 +58,6 @@ def stop_check_steps(sync_every: int) -> int:
     STOP_CHECK_MIN_STEPS on, so an interrupted job stops where the replicas were just synced, and
     a check (one small collective) is never paid every step."""
     return sync_every * max(1, -(-STOP_CHECK_MIN_STEPS // sync_every))
-
-
-@dataclass
-class FitHooks:
-    """What the caller plugs into `Trainer.fit` (all run on every worker).
-
-    on_log(metrics, step): the metrics reduced over the workers, every log_every steps, at the
-        end and after each evaluation.
-    on_batch(trainer, step, batch): every batch the loop consumes, with the step it is trained
-        for, before its round commits (the pipelined loop, whose steps all commit, as each comes
-        out): row audits, which then hold every committed batch even when the worker dies
-        right after the commit.
-    on_step(trainer, out, batch): after every batch the loop consumed (`out.committed` False for
-        a torchft round that did not commit).
-    after_step: called with the step after every committed step, in order; each owns its
-        cadence (`Snapshotter.maybe_snapshot`, `Checkpointer.maybe_save`, heartbeats).
-    stop_requested(trainer): this worker's view of a stop request (`train.control`'s codes: 0
-        none, STOP_FINISH or True, STOP_NOW), read at every stop check (every logging interval,
-        and every `stop_check_steps(K)` steps); the trainer's replica component agrees on it
-        (`Replicas.agree_stop`, the largest code wins). STOP_FINISH ends training at a logging
-        interval, as if max_steps were reached; STOP_NOW (an interrupt) at the first check at a
-        sync step (a multiple of K), with no evaluation, and sets `Trainer.interrupted`.
-    """
-
-    on_log: Callable[[dict[str, float], int], None] | None = None
-    on_batch: Callable[["Trainer", int, Any], None] | None = None
-    on_step: Callable[["Trainer", StepOutput, Any], None] | None = None
-    after_step: list[Callable[[int], Any]] = field(default_factory=list)
-    stop_requested: Callable[["Trainer"], bool] | None = None
 
 
 class Replicas:
@@ -231,16 +127,6 @@ class Replicas:
     def evaluates(self) -> bool:
         """Whether this worker takes part in evaluations (every worker of the grid does)."""
         return True
-
-
-@dataclass
-class LoopResult:
-    steps: int
-    step_seconds: list[float] = field(default_factory=list)  # per step: compute + sync
-    losses: list[float] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    examples: int = 0
-    wall_seconds: float = 0.0
 
 
 class Trainer:
@@ -727,99 +613,6 @@ class Trainer:
         keep = self.rank == 0  # the summed window and all examples on one worker: the reduced sums are right
         self.metrics.load_window_state(window, steps=self.state.step, keep=keep and window is not None)
         self.metrics.examples_total = self.state.examples if keep else 0
-
-
-class RoundCommit:
-    """The dense optimizer as TorchRec's pipeline calls it (`zero_grad`, `step`): the pipeline's
-    optimizer step ends the round. It hands the round's batch to `on_batch` (before the commit, as
-    the plain loop does), asks the replicas to commit (`Replicas.commit`; the grid's own always
-    do), and steps the dense optimizer only if the round committed. Where the commit talks to
-    peers (torchft), its seconds are taken out of the "dense" phase (`seconds`, charged to "sync")."""
-
-    def __init__(self, trainer: "Trainer", feeder: "BatchFeeder",
-                 on_batch: Callable[["Trainer", int, Any], None] | None) -> None:
-        self.trainer, self.feeder, self.on_batch = trainer, feeder, on_batch
-        self.committed, self.seconds = True, 0.0
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.trainer.dense_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        t = self.trainer
-        step = t.state.step + 1
-        if self.on_batch is not None:
-            self.on_batch(t, step, self.feeder.training)
-        talks = t.replicas.rounds_talk
-        if talks:
-            t.metrics.timer.stop("dense")
-        t0 = time.perf_counter()
-        self.committed = t.replicas.commit(step)
-        self.seconds = time.perf_counter() - t0 if talks else 0.0
-        if talks:
-            t.metrics.timer.start("dense")
-        if self.committed:
-            t.dense_optimizer.step()
-
-
-class BatchFeeder:
-    """What the training pipeline reads from: a worker's batches, pulled from `source` with the
-    wait charged to the "data_wait" phase, and every batch handed to the pipeline kept until its
-    step is trained (in order: the pipeline trains first in, first out).
-
-    `prefetch(n)` pulls ahead before a step opens, so the step's span holds no wait for data;
-    `trained()` gives the batch of the output that just came out; `refeed()` puts the batches a
-    dropped pipeline held back in front (they are read again, by the next pipeline); `drop()`
-    forgets them (a restore, or training ends: the cursor counts only trained batches).
-    """
-
-    def __init__(self, source: Iterator[Any], timer: Any) -> None:
-        self._source, self._timer = source, timer
-        self._ready: deque = deque()  # pulled, not yet handed to the pipeline
-        self._in_flight: deque = deque()  # handed to the pipeline, not yet trained
-        self._exhausted = False
-
-    @property
-    def drained(self) -> bool:
-        """No batch left to hand out."""
-        return self._exhausted and not self._ready
-
-    def prefetch(self, n: int) -> None:
-        t0 = time.perf_counter()
-        while len(self._ready) < n and not self._exhausted:
-            batch = next(self._source, None)
-            if batch is None:
-                self._exhausted = True
-            else:
-                self._ready.append(batch)
-        self._timer.add("data_wait", time.perf_counter() - t0)
-
-    def __iter__(self) -> "BatchFeeder":
-        return self
-
-    def __next__(self) -> Any:
-        if not self._ready:
-            self.prefetch(1)
-        if not self._ready:
-            raise StopIteration
-        batch = self._ready.popleft()
-        self._in_flight.append(batch)
-        return batch
-
-    @property
-    def training(self) -> Any:
-        """The batch the pipeline is training now (the oldest handed to it)."""
-        return self._in_flight[0]
-
-    def trained(self) -> Any:
-        return self._in_flight.popleft()
-
-    def refeed(self) -> None:
-        self._ready.extendleft(reversed(self._in_flight))
-        self._in_flight.clear()
-
-    def drop(self) -> None:
-        self._ready.clear()
-        self._in_flight.clear()
 
 
 def lockstep(batches: Iterator[Any], group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[Any, bool]]:

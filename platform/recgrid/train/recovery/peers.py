@@ -1,85 +1,31 @@
-"""Fault tolerance with torchft (every job: each sharding group a Ray Train run): the trainer's replica component
-for live sharding groups. The groups that did not fail keep their processes and keep training;
-only a failed (or drained) group leaves, and it comes back healed from a live peer group.
+"""Fault tolerance with torchft (every job: each sharding group a Ray Train run): the trainer's
+replica component for live sharding groups (`TorchftReplicas`), the job's lighthouse, each
+worker's manager, the heal transport and the replica sync's transport over the manager.
 
 The grid in torchft's terms: a torchft replica group is a recgrid sharding group (L workers, one
 whole model copy; TorchRec's DMP over the group's process group), and torchft's fault-tolerant
 process group of shard rank s across the live groups is recgrid's replica group s: torchft
-averages and heals shard s from shard s of a live peer group.
+averages and heals shard s from shard s of a live peer group. The groups meet across runs
+through torchft, torchft's own deployment model (one job per replica group): the driver owns the
+lighthouse (`Lighthouse`), and each worker's manager meets its group in the run's rendezvous
+store (`GroupWorld`). (Ray 2.60's own torchft integration, `TorchftConfig`, makes replica groups
+of one worker and fails the run when two dead workers must be replaced at once, as in a node loss.)
 
-Every sharding group is a Ray Train run of its own (`launch.ray.fit_on_ray` starts the M runs
-side by side): L workers whose torch world is the group (Ray Train's torch backend builds the
-default process group; TorchRec's sharded modules use it as in every recgrid job), with its own
-`FailureConfig`. The groups meet across runs through torchft, torchft's own deployment model (one
-job per replica group): the job's driver owns the lighthouse (`Lighthouse`), and each worker's
-manager (shard rank s of its group's L, the manager server on shard rank 0) meets its group in the
-run's rendezvous store (`GroupWorld`). When a worker dies, its group-mates' next collective with
-it fails and Ray Train restarts that run alone, all L workers; the other groups keep their
-processes and train on, and the restarted group heals from a live peer group at its first round.
-(Ray 2.60's own torchft integration, `TorchftConfig`, makes replica groups of one worker and fails
-the run when two dead workers must be replaced at once, as in a node loss.)
+What the component does per round, as the trainer's loop calls it: `start_round` (a quorum only
+at a group's first round, after a round that did not commit, or at a block start the last sync
+step asked for; a group behind the others heals there from a live peer), `commit` (one average
+over the live groups of the dense gradients and, every K steps, the tables through the one
+replica sync, `engine.sync.ReplicaSync` over `ManagerSum`; then the group's L workers agree in
+one small all-reduce that no collective of the round failed, and on the next block's start and
+votes), `sync` (a committed round's tables land), `reduce` and `agree_stop` at log steps. A round
+that does not commit is not a step: its workers abort their process groups across the groups and
+vote it down (`_abandon_round`). Nothing is rolled back: survivors never go back, a rebuilt group
+starts where they are, and reads on from its own data cursor. With no live group ahead of step 0
+a group's first quorum restores from the hosts' holders or storage (`train.recovery.storage`).
+A group whose node is drained leaves after its sync (`TorchftReplicas.left`).
 
-This module is only the component the trainer's one loop calls (`Trainer.fit`, with
-`trainer.replicas = TorchftReplicas(...)`); what the loop does per round is the same as every
-path's, the component decides what differs:
-  1. `start_round`: at a group's first round, after a round that did not commit, and at the start
-     of a block of K steps when the last sync step said so (a group waits to join, or one leaves),
-     `Manager.start_quorum()`, synchronous: the live groups agree on a quorum. Otherwise no round
-     asks the lighthouse: the quorum of the last meeting holds (a quorum is a barrier over the
-     job's workers through two servers; docs/design-notes.md has what one per block cost). A
-     group asking to join tells job control first (`JoinSignal.announce`), and the live groups
-     hear of it from the answer to their next progress note (`train.recovery.membership.GroupProgress`),
-     within two blocks.
-     A group behind the others (a rebuilt one) receives a live peer group's state over
-     `PGTransport` before it computes, shard s from shard s: the trainer's own state inventory
-     (`Trainer.snapshot()`, sent as `Snapshot.to_dict()`: embedding weights and row-wise AdaGrad
-     moments, the dense part, the progress), and then reads on from its own data cursor (below).
-     c follows the live group count unless `optim.moment_scale` fixes it.
-  2. the loop's forward and backward on this worker's batch (DDP averages the dense gradients
-     over the sharding group); FBGEMM's fused kernels update the embedding rows inside backward,
-     as in every recgrid step, so these updates cannot wait for the commit (an uncommitted
-     round's batch reaches its own group's tables, not the dense part).
-  3. `commit`: one average over the live groups through the manager: the dense gradients (every
-     step: the dense part stays data-parallel over every live worker) and, every K steps, the
-     embedding weights and moments, into a buffer (torchft's LocalSGD idea), with a flag: whether
-     a group waits to join or leaves. Then the group's L workers agree, in one small all-reduce
-     over the group's process group, that no collective of the round failed on any of them (so
-     they commit alike; no vote of the live groups on a round that commits: a failure reaches
-     every group's collective), and on what the next block's start does; the manager's step
-     follows the trainer's. Only a committed round's dense optimizer steps, its averaged tables
-     land (`sync`) and the step count advances. A round that does not commit (a peer died inside
-     it) is not a step: its workers abort their process groups across the groups at once, so no
-     live peer group waits in one of its collectives for them, and vote it down in torchft's
-     commit, so the next quorum is a new one (`_abandon_round`); the next round takes the next
-     batch under the same step number, after that quorum (a group left behind by it heals there
-     from a live peer). With delayed moment sync the sync averages the
-     weights only; the moments go into an average that overlaps the next block and lands at the
-     next committed sync (`engine.sync.ReplicaSync`, the one replica sync, over `ManagerSum`).
-  4. at logging steps the metric sums are reduced over the sharding group, then over the live
-     groups (`reduce`), and a graceful stop is agreed as a maximum the same way (`agree_stop`),
-     so every worker ends at the same step.
-Nothing is rolled back: survivors never go back, a rebuilt group starts where they are.
-
-Data: each epoch is split into T parts by global rank, and each sharding group's parts keep their
-own cursor: shard rank 0 notes its group's step and cursor with job control after every committed
-sync step (`train.control.JobControl.group_progress`, without waiting for the answer), and a
-rebuilt group reads on from its own newest note, so its rows for the rounds it was away are read
-later, not skipped; it trails the other groups in the epoch by that many batches. (At most the
-batches since its last sync step are read twice.)
-
-When no live group is ahead of step 0 (every group lost at once, or M = 1), a group's first
-quorum restores from the nodes' holders or storage instead (`train.recovery.storage`).
-
-Elasticity and drains: a group leaves and the others train on (c from the live count); a group
-whose run had no room joins when it gets some, healed like a rebuilt one. When Ray Train says a
-node of the group's run is being drained (`drain_notice`: `ray.train.get_preemption_info`, asked
-at a sync step, at most every DRAIN_CHECK_S, all the group's workers at the same round), the group
-leaves right after that sync (`TorchftReplicas.left`; the worker then stops its manager, and the
-last group to leave writes a storage checkpoint first), and the live groups meet without it at
-their next block start.
-
-Who logs, evaluates and records the recoveries is the worker's business
-(`train.report.GroupReport`, told of each quorum and commit through `GroupListener`).
+The protocol, what each part costs and why: docs/design-notes.md, "Failures, restarts and
+elastic jobs".
 """
 
 from __future__ import annotations
@@ -95,7 +41,8 @@ from recgrid.engine.optimizer import moment_scale_for
 from recgrid.engine.sync import InFlight, ReplicaSync, embedding_kernels, sync_step
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery.slots import digest
-from recgrid.train.trainer import Replicas, Snapshot, Trainer
+from recgrid.train.state import Snapshot
+from recgrid.train.trainer import Replicas, Trainer
 
 if TYPE_CHECKING:
     from recgrid.train.recovery.storage import StorageFallback
