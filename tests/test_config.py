@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from recgrid.config import (
-    ARCHS,
-    DENSE_OPTIMIZERS,
-    SECTIONS,
-    SHARDINGS,
-    ConfigError,
-    field_docs,
-    load_config,
-)
+from recgrid.config import SECTIONS, ConfigError, field_docs, load_config
 from recgrid.engine.grid import LAYOUTS, Grid
+from recgrid.engine.model import ARCHS
+from recgrid.engine.optimizer import DENSE_OPTIMIZERS
+from recgrid.engine.sharding import SHARDINGS
 
 
 @pytest.fixture

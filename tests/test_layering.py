@@ -6,8 +6,8 @@ Walks every module of `recgrid` with `ast` (no import runs) and fails on:
 - an import across the layers: `engine/` imports nothing of recgrid but itself and `data/specs`
   (the tables it builds, QR-compressed ones included);
   `data/` never imports `train/` or `launch/`; `train/` never imports `launch/`; the modules at
-  the package's top that both `train/` and `launch/` use (tracking, logs, config, trainer_config)
-  import neither; `plan/` imports nothing of `train/` or `launch/`;
+  the package's top that both `train/` and `launch/` use (tracking, logs, config, config_sections,
+  trainer_config) import neither; `plan/` imports nothing of `train/` or `launch/`;
 - an import circle among recgrid's modules (every import counts: module-level, function-local,
   under `TYPE_CHECKING`).
 """
@@ -27,6 +27,7 @@ PACKAGE = ROOT / "recgrid"
 # importer prefix -> the recgrid prefixes it must not import (checked in order; the first match applies)
 FORBIDDEN = {
     "recgrid.engine": ("recgrid.train", "recgrid.launch", "recgrid.plan", "recgrid.config", "recgrid.cli",
+                       "recgrid.config_sections",
                        "recgrid.tracking", "recgrid.logs", "recgrid.data.criteo", "recgrid.data.stream",
                        "recgrid.data.synth", "recgrid.data.prepare", "recgrid.data.units"),
     "recgrid.data": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
@@ -34,6 +35,7 @@ FORBIDDEN = {
     "recgrid.tracking": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
     "recgrid.logs": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
     "recgrid.config": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
+    "recgrid.config_sections": ("recgrid.train", "recgrid.launch", "recgrid.cli", "recgrid.plan", "recgrid.config"),
     "recgrid.trainer_config": ("recgrid.train", "recgrid.launch", "recgrid.cli", "recgrid.plan"),
     "recgrid.plan": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
 }
