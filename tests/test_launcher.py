@@ -568,3 +568,58 @@ def test_object_store_snapshots_a_corrupted_copy_and_resume_from_restore_as_they
             ray.kill(actor)
         for p in planted:
             os.rmdir(p)
+
+
+# ---- one replica sync (issue 48): a Ray job and the local launcher train the same tables ----------------
+def _local_tables(cfg) -> list[float]:
+    """One rank of the local launcher's grid (one torch world, the replica sync over process groups)
+    training `cfg`'s job: the job's plan, its epoch's part for this global rank, `max_steps` steps."""
+    import torch
+    import torch.distributed as dist
+
+    from recgrid.data.stream import local_batches, scan_inputs
+    from recgrid.data.units import DataCursor, EpochPlan
+    from recgrid.launch.ray import job_plan
+    from recgrid.train.report import table_sums
+    from recgrid.train.trainer import Trainer
+    from recgrid.trainer_config import EngineConfig
+
+    grid, engine = cfg.build_grid(), EngineConfig.from_job(cfg)
+    trainer = Trainer.build(grid, engine, torch.device("cpu"), job_plan(cfg))
+    plan = EpochPlan(scan_inputs([str(Path(p).absolute()) for p in cfg.data.train], engine.spec), engine.seed,
+                     cfg.train.batch_size, cfg.data.rows_per_unit)
+    part = plan.segment(DataCursor(), grid.world_size).part(dist.get_rank())
+    trainer.run(local_batches(plan.inputs, part, engine.spec, plan.batch_size), cfg.train.max_steps)
+    trainer.close()
+    return table_sums(trainer)
+
+
+def test_a_ray_job_and_the_local_launcher_train_the_same_tables(tmp_path, shared_ray, monkeypatch):
+    """T=2, M=2 (L=1), K=5, 10 steps: the Ray job (each sharding group a Ray Train run, the replica sync
+    over torchft's manager, the dense gradients averaged by the component) and the local launcher (one
+    torch world, the replica sync over a process group, the dense gradients by DDP) end with the same
+    tables and moments on every global rank. Compared as each tensor's sum to 1e-6, not bit for bit:
+    the dense gradients are averaged in a different order (the live groups' mean, then the group's,
+    against DDP's one all-reduce), so the dense part, and through it the rows' updates, differ in
+    their last bits."""
+    from faults import workers_of
+    from recgrid.launch.local import run_local
+    from recgrid.launch.ray import run_job
+    from recgrid.train.job import TABLE_DIGESTS_ENV
+
+    monkeypatch.setenv(TABLE_DIGESTS_ENV, "1")
+    monkeypatch.setenv("RECGRID_RUNS_DIR", str(tmp_path / "runs"))
+    cfg = load_config(REPO / "jobs/local_demo.yaml", [
+        f"data.train={tmp_path}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=4000",
+        "grid.world_size=2", "grid.num_groups=2", "grid.sync_every=5", "train.max_steps=10",
+        "train.batch_size=64", "train.log_every=5", "train.eval_every=0", "train.checkpoint_every=0",
+        "tracking.log_model=false", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        "tracking.experiment=test-one-sync", *SIDE_BY_SIDE])
+    result = run_job(cfg, summary=False)
+    assert result.status == "FINISHED", result.error
+    ray_sums = {r: w["final_sums"] for r, w in workers_of({"attempts": result.attempts}).items()}
+    local_sums = dict(enumerate(run_local(_local_tables, 2, cfg)))
+    assert sorted(ray_sums) == sorted(local_sums) == [0, 1]
+    for r in (0, 1):
+        assert ray_sums[r] == pytest.approx(local_sums[r], rel=1e-6, abs=1e-9), r
+    assert ray_sums[0] == ray_sums[1]  # after the last sync the two sharding groups hold the same tables

@@ -240,8 +240,8 @@ class GroupReport:
         t = self.trainer
         if self.report is not None:
             self.events.log_new(self.report, t.state.step)
-        digests = ({"final_digest": kernel_digest(t, replicated=True), "final_dense_digest": dense_digest(t)}
-                   if self.job.table_digests else {})
+        digests = ({"final_digest": kernel_digest(t, replicated=True), "final_dense_digest": dense_digest(t),
+                    "final_sums": table_sums(t)} if self.job.table_digests else {})
         ray.get(self.control.note.remote(self.attempt, self.rank, {
             "final_step": t.state.step, **digests, "heals": [dict(h) for h in self.heal.heals]}))
 
@@ -250,3 +250,9 @@ def metrics_exporter(job: WorkerJob, rank: int):
     """This worker's Ray-native metric exporter (`train.export`): job metrics from rank 0,
     its own memory and sync figures from every worker."""
     return RayMetricsExporter(run_id=job.run_id or "", rank=rank, run_name=job.run_name or None).export
+
+
+def table_sums(trainer: Trainer) -> list[float]:
+    """Each replicated table tensor's sum (float64): what a test compares between paths that train
+    alike but need not add in the same order (`WorkerJob.table_digests`)."""
+    return [float(x.double().sum()) for x in trainer.replica_sync.replicated()]
