@@ -10,25 +10,9 @@ and num_gpus must not be provided") and which names a live `ray start` cluster w
 local job must not assume.
 
 Ray's own driver-side logging is kept to errors (`logging_level`, unless the caller passes one):
-its WARNINGs are about Ray's defaults (Ray 2.60 announces at every start that it turned token
-authentication on), not about the user's job. When stdout is not a terminal, what Ray still
-prints on the driver comes without colour codes (`RAY_COLOR_PREFIX=0`).
-
-A local cluster keeps an idle worker process for `LOCAL_SYSTEM_CONFIG`'s time instead of Ray's 1 s.
-Ray kills idle pooled worker processes once a node runs more than its CPU count of them, and on a
-small machine the training workers and the job's actors alone pass that. Ray Data's read tasks run
-in pooled processes and a stream reads its next batches in bursts, so with Ray's default every
-burst (and every evaluation's stream) started fresh processes that import pyarrow and Ray Data
-again, next to the training workers: the demo's end-of-job evaluation took 5-7 s instead of 0.5 s,
-and training fed by Ray Data ran at 0.81-0.92 of training fed from memory
-(`bench/data_pipeline.py --training-only`).
-
-It also lets 8 worker processes start at once (`worker_maximum_startup_concurrency`; Ray's
-default is the node's CPU count). A job starts a dozen or more (its training workers, Ray Train's
-controller, recgrid's actors, Ray Data's tasks), and the raylet prints "(raylet) WARNING: N
-PYTHON worker processes have been started ..." to the user's console each time the count passes
-another multiple of 4x that limit: three such lines in every `make demo` on 2 cores, about
-nothing the user can act on. Starting them with 8 at a time measured no slower on 2 cores.
+its WARNINGs are about Ray's defaults, not about the user's job; without a terminal, what Ray
+still prints on the driver comes without colour codes (`RAY_COLOR_PREFIX=0`). A local cluster
+runs with `LOCAL_SYSTEM_CONFIG` (why: its comment).
 """
 
 from __future__ import annotations
@@ -39,7 +23,10 @@ from typing import Any, Callable
 
 
 # Ray's system config for a local cluster recgrid starts (Ray's defaults: an idle time of 1000 ms,
-# and as many worker processes starting at once as the node has CPUs)
+# and as many worker processes starting at once as the node has CPUs). Idle pooled workers live
+# 2 min: with 1 s, every burst of Ray Data reads started processes that import pyarrow again (the
+# demo's end-of-job eval took 5-7 s, not 0.5 s; bench/data_pipeline.py --training-only). 8 start at
+# once: fewer raylet "N PYTHON worker processes have been started" lines, no slower on 2 cores.
 LOCAL_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 120_000, "worker_maximum_startup_concurrency": 8}
 
 

@@ -5,16 +5,9 @@ job's config becomes MLflow params (nested dicts flattened to dotted keys, value
 stringified and cut to MLflow's limits), batched metric logging, and the run's end state:
 FINISHED, or FAILED with the error text. `Tracker` is small enough to live on the driver or
 on rank 0; `Tracker.attach(run_id)` lets a second process log into a run the first created.
-Experiments recgrid creates or starts runs in carry the tag `mlflow.experimentKind =
-custom_model_development` (training runs, not GenAI traces); MLflow 3.17's UI chooses its view
-from a browser-wide toggle instead, so `Tracker.ui_url()` gives pages in the training view, and
-`Tracker.ui_hint()` is the line `recgrid train` prints. Experiments also carry a shared view of
-their runs list (`RUNS_VIEW_COLUMNS`: eval NE and AUC, QPS, M and K as columns), which
-`Tracker.experiment_url()` opens. A sweep's runs are children of one parent run (`mlflow.parentRunId`).
-`Tracker.log_inputs` records the training and eval data as the run's Datasets (contexts
-`training` and `eval`: globs, row count, a digest of the file list).
-`start_system_metrics(run_id, node_id)` logs MLflow's system metrics (CPU, memory, disk,
-network, GPU) of the node it runs on into a run: one per node.
+It also owns the run's views in MLflow's UI (`Tracker.ui_url`, `Tracker.ui_hint`, the shared
+runs-list view `RUNS_VIEW_COLUMNS`), a sweep's parent run, the run's Datasets
+(`Tracker.log_inputs`) and the per-node system metrics (`start_system_metrics`).
 
 Where runs go, first match wins:
   1. `tracking_uri` passed to `Tracker` (the job config's `tracking.tracking_uri`);
@@ -22,14 +15,10 @@ Where runs go, first match wins:
   3. `sqlite:///<repo>/runs/mlflow.db`, artifacts in `<repo>/runs/mlartifacts`
      (MLflow 3 refuses the plain file store, so the local default is a SQLite file).
 
-A URI's credentials (`scheme://user:pass@host`, and a query string's tokens: `?token=`, a presigned
-URL's `X-Amz-Signature`, a SAS `sig`, any parameter named for a token, secret, password, key,
-signature or credential) never leave this module in what it prints or logs: `redact_uri` masks
-them, and params, tags, error texts and the UI links it builds go through it (`strip_credentials`
-drops them from a URI that is passed on); only the MLflow client itself is given the full URI.
-Better still, keep them out of the URI: MLflow's clients read MLFLOW_TRACKING_USERNAME /
-MLFLOW_TRACKING_PASSWORD. The artifacts it writes to a local store are this user's only: 0600 files
-in 0700 directories (`private_tree`), as checkpoints are.
+A URI's credentials (`user:pass@`, and a query string's tokens and signatures) never leave this
+module in what it prints or logs: `redact_uri` masks them and `strip_credentials` drops them;
+only the MLflow client itself is given the full URI. The artifacts it writes to a local store
+are this user's only (`private_tree`: 0600 files in 0700 directories), as checkpoints are.
 
 mlflow is imported inside the class, so importing this module is free.
 """

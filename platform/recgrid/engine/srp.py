@@ -1,48 +1,23 @@
 """Sparse Row-wise Parallelism (SRP): row-wise shards send only the pooled partial sums that are
 not empty.
 
-TorchRec's row-wise output path reduce-scatters a dense `[W·B, D]` block per shard over the
-sharding group of W = L workers: every shard sends every peer a partial sum for each of the
-peer's B bags, zeros included, so the bytes grow with W whatever the ids touch. With SRP
-(`model.row_wise_exchange: sparse`), shard s sends peer r only the partial sums of r's bags that
-have at least one id on s (a bag whose ids all live on other shards sends nothing), in one
-variable-size `all_to_all_single`. Both sides know the sizes without exchanging them:
+With `model.row_wise_exchange: sparse`, shard s sends peer r only the partial sums of r's bags
+that have at least one id on s, in one variable-size `all_to_all_single`, instead of TorchRec's
+dense reduce-scatter of `[W·B, D]` (W = L workers). Both sides know the split sizes without
+exchanging them: the owner from the lengths it received in the ids' all-to-all, the receiver
+from the bucketized lengths it sent. The receiver scatter-adds in a ring reduce-scatter's order
+(gloo's), and the backward divides the gradient by W as TorchRec's does, so the fused kernel and
+its row-wise AdaGrad see the dense path's numbers. Design: docs/design-notes.md, "Sparse Row-wise
+Parallelism".
 
-- the owner (shard s) knows which of peer r's bags are non-empty on s from the lengths it
-  received in the ids' all-to-all (the KJT its lookup kernel reads);
-- the receiver (peer r) knows which of its bags are non-empty on s from its own bucketized
-  lengths, the KJT it sent in that all-to-all.
-
-The receiver scatter-adds what it receives into its `[B, D]` pooled output, in the order a
-ring reduce-scatter adds (gloo's; the sums are then bit for bit the dense path's there; other
-backends may differ from it in the last bits, as any two reduction orders do). Backward mirrors it:
-autograd's all-to-all sends each shard the gradient rows of exactly the bags it received from
-it, and the gather's backward scatters them into the shard's `[W·B, D]` gradient with zeros
-elsewhere (a bag with no id on the shard touches no row, so those zeros are never read). The
-gradient is divided by W as TorchRec's reduce-scatter divides it (`comm_ops`' gradient
-division), so the fused kernel and its row-wise AdaGrad see the dense path's gradients.
-
-How it is hooked into TorchRec's `ShardedEmbeddingBagCollection` (`install_srp`), for each of
-its row-wise shardings:
-1. the output dist becomes a `SparseRowWiseDist` (a subclass of TorchRec's
-   `RwPooledEmbeddingDist` whose forward is the exchange above);
-2. the module becomes a subclass of TorchRec's class (the same object) whose input dist hooks
-   the ids' all-to-all when TorchRec builds it on the first batch, reads the bucketized lengths
-   it sends and leaves them (the receiver's mask) on the batch's sharding context, which
-   TorchRec hands the output dist: the mask travels with its batch, also when the train
-   pipeline runs the input dist a step ahead (its splits-fused all-to-all keeps the hook);
-3. the sharding's lookup gets a forward pre-hook that reads the delivered KJT's lengths (the
-   owner's mask); TorchRec runs the output dist of a sharding right after its lookup.
-
-Table-row-wise shards (and grid shards, whose rows are table-row-wise) are not covered: their
-exchange has two levels, an intra-host reduce-scatter, then a cross-host all-to-all, and the
-reduce-scatter's receiver is not the bags' owner but the host-local relay for the owners of its
-cross-host group, which never sees how those owners bucketized their ids. Its split sizes would
-need an extra exchange of masks, which SRP's contract rules out; config refuses `sparse` with any
-sharding but row_wise (`SPARSE_SHARDINGS`), "auto" included (it may choose types without a
-row-wise exchange).
-
-`expected_occupancy` and `expected_exchange_bytes` price the exchange for the planner.
+This module owns the exchange (`SparseRowWiseDist`, a subclass of TorchRec's
+`RwPooledEmbeddingDist`), its hook into TorchRec's `ShardedEmbeddingBagCollection`
+(`install_srp`: the row-wise output dists replaced, the receiver's mask read off the ids'
+all-to-all and carried on each batch's sharding context, the owner's mask read by a pre-hook on
+the sharding's lookup), the sharding types it covers (`SPARSE_SHARDINGS`: row-wise only;
+table-row-wise and grid shards send their reduce-scatter to a host-local relay, which never sees
+the owners' bucketized ids) and the planner's price of it (`expected_occupancy`,
+`expected_exchange_bytes`).
 """
 
 from __future__ import annotations

@@ -1,38 +1,21 @@
 """`recgrid submit CONFIG [--address URL] [--set key=value ...] [--no-wait]`: a training job on a
-running Ray cluster, through the Ray Job API.
+running Ray cluster, through the Ray Job API. What it does, step by step, and what it refuses:
+README.md, "From a laptop with `recgrid submit`".
 
 This module owns what a submission carries and how it talks to the cluster:
-- the config is validated here first, with the same errors as `recgrid train` (exit 2, nothing
-  contacted, nothing uploaded). Data globs are not checked against this machine's files: the job
-  reads the cluster's (absolute paths, object-store URIs, or relative paths in the shipped working
-  directory, where git-ignored data such as `runs/` never goes); `recgrid train` checks them on the
-  cluster before any worker starts, with the same sentence;
-- the job ships only what the project tracks: the files `git ls-files` lists under the current
-  directory (the project directory) plus the config file, copied into a private staging
-  directory that becomes the job's working directory (untracked files such as `.env`, keys or
-  data never leave this machine, .gitignore or not; `.venv`, `runs/` and caches never go even
-  when tracked), plus this recgrid package, running `python -m recgrid.cli train CONFIG --set ...`
-  there, so the code that validated the config is the code that runs. What is shipped (file
-  count, size, the largest files) is printed before anything is sent. A home directory (or a
-  directory holding it) is refused as the project directory, and so is one that is not in a git
-  work tree;
-- the Job API is reached over `https://`, or `http://` to a loopback address only (a port-forward
-  or an SSH tunnel): the token travels in every request's header, so plain http across a network
-  is refused before any connection;
-- settings the job needs go in the runtime env's `env_vars` (the submitting shell's environment
-  never reaches a job): `MLFLOW_TRACKING_URI` (a relative SQLite path made absolute) and the
-  MLflow settings in `FORWARDED_ENV`. Credentials are not forwarded (a runtime env is shown on the
-  Ray dashboard): the cluster has its own; a `user:pass@` or a query-string token in any forwarded
-  URI (`MLFLOW_TRACKING_URI`, `MLFLOW_S3_ENDPOINT_URL`, ...) is stripped from what is forwarded
-  and from everything printed, and a `--set` override or a shipped config file carrying one in
-  any field is refused (the entrypoint is shown on the dashboard too, and the working directory
-  can be read there); the token is never printed;
-- Ray 2.60 clusters require token authentication: the token is found where Ray looks
-  (`RAY_AUTH_TOKEN`, the file at `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and token mode is
-  switched on for this client when one is there; a cluster that asks for a token and gets none,
-  or refuses it, gets one sentence that says what to do.
-Then it follows the job's logs and exits with the job's status (0 when it SUCCEEDED, the driver's
-exit code when it FAILED, 1 otherwise), or with `--no-wait` prints how to follow and stop it.
+- the config, validated here first with `recgrid train`'s errors (exit 2, nothing contacted);
+  data globs are left to the cluster, which checks them before any worker starts;
+- what ships (`shipped_files`, `stage`): the files `git ls-files` lists under the project
+  directory plus the config file, in a private staging directory that becomes the job's working
+  directory, never `EXCLUDES`, with this recgrid package; it runs `python -m recgrid.cli train`
+  there, so the code that validated the config is the code that runs;
+- the job's environment (`job_env`): `MLFLOW_TRACKING_URI` and `FORWARDED_ENV`, with credentials
+  stripped (a runtime env and the entrypoint are shown on the Ray dashboard), and a config or
+  `--set` carrying one refused;
+- the connection (`cluster_address`, `enable_token_auth`): `https://`, or `http://` to a loopback
+  address only (the token travels in every request's header), token found where Ray looks;
+- following the job (`follow_logs`, `wait_until_done`) and its exit status (0 when it
+  SUCCEEDED, the driver's exit code when it FAILED, 1 otherwise).
 """
 
 from __future__ import annotations

@@ -1,41 +1,21 @@
 """What RecScale's two options change in the model `recgrid plan` and `recgrid simulate` price
 (issue 16): QR-compressed tables with a head cache, and SRP's sparse row-wise exchange.
+Design and figures: docs/performance.md, "Compressed tables and SRP in the planner".
 
-Compressed tables. `compress_model` rewrites a model's tables as a job with `model.compression:
-qr` builds them: every table of more than `qr_threshold_rows` rows becomes a quotient table, a
-remainder table and (with a head cache) a head table, sized by `data.specs.compressed_parts`, the
-one sizing the engine builds from (asked one table at a time here, so a tables file of any number
-of tables is sized the same way as a dataset spec's 26). The rewritten tables are ordinary tables
-to TorchRec's planner: their shards, lookups, all-to-all bytes, memory and the replica sync's
-bytes are priced as any table's. Lookups are counted per part: an id in the head is looked up in
-the head table only, any other id in the quotient and the remainder table (two lookups, two
-pooled rows returned), so a table of pooling P with a head that catches a share h of its ids
-gives the head table P·h ids per sample and the quotient and remainder tables P·(1 − h) each.
-The dense part (the interaction over the original features) is the original model's.
-
-Head sizes and the head's share of the lookups come from the ids' frequencies, which the planner
-does not have (a job counts them over its training files before it trains). So:
-- `head_rows` H: the head table has min(H, rows) rows (exact);
-- `head_coverage` p needs `id_zipf_exponent` a: the head is the fewest ids covering p of the
-  lookups of a bounded power law with exponent a over the table's rows (the law `recgrid synth`
-  draws ids from, `power_law_head`); without a it is refused, naming the flag;
-- the head's share h of the lookups: p with head_coverage; with head_rows, the power law's share
-  of the H most frequent ids when a is given, else 0: every id is priced through the quotient
-  and remainder tables, an upper bound on the lookup work (memory stays exact).
-
-SRP. With `row_wise_exchange: sparse` a row-wise shard sends only the non-empty pooled partial
-sums, so the output exchange of a row-wise option (TorchRec's estimate of the reduce-scatter of
-[W·B, D] forward and its all-gather backward) is scaled by the occupancy a bag of P ids has on
-its W shards: `engine.srp.expected_occupancy(P, W)` = 1 − (1 − 1/W)^P for uniform ids, or the
-occupancy measured by a pair of runs at that W (`measured_occupancy`). The ids' all-to-all is
-unchanged. TorchRec's planner prices row-wise output as dense; recgrid's does not. The engine's
-SRP covers the sharding types in `engine.srp.SPARSE_SHARDINGS` (row-wise today; its config needs
-model.sharding: row_wise), so those alone are priced sparse; table-row-wise stays dense.
-
-Memory. `MemorySummary` says what one model copy's tables take uncompressed and compressed and
-the largest group count M whose M copies (tables + row-wise AdaGrad state) fit the cluster's
-memory after the dense part, with and without compression (`max_groups`: a memory bound, before
-any plan's lookup activations and shard imbalance; the plan's candidates show the priced peak).
+- `compress_model` rewrites a model's tables as a job with `model.compression: qr` builds them
+  (quotient, remainder and head tables, sized by `data.specs.compressed_parts`, one table at a
+  time), which TorchRec's planner then prices as ordinary tables. Lookups are counted per part: a
+  table of pooling P whose head catches a share h of its ids gives the head table P·h ids per
+  sample, the quotient and the remainder table P·(1 − h) each.
+- The head's size and share need the ids' frequencies, which the planner has not: `head_rows` is
+  exact; `head_coverage` needs `id_zipf_exponent` (a bounded power law, `power_law_head`) and is
+  refused without it; with `head_rows` and no exponent h = 0 (an upper bound on lookup work).
+- SRP: the output exchange of a row-wise option is scaled by the occupancy of a bag of P ids on
+  its W shards (`engine.srp.expected_occupancy`, or `measured_occupancy` from a pair of runs),
+  for the sharding types the engine's SRP covers (`engine.srp.SPARSE_SHARDINGS`) only.
+- `MemorySummary`: one model copy's table bytes, uncompressed and compressed, and the largest M
+  whose copies (tables + row-wise AdaGrad state) fit after the dense part (`max_groups`: a memory
+  bound, before lookup activations and shard imbalance).
 """
 
 from __future__ import annotations

@@ -1,38 +1,26 @@
 """Storage checkpoints: the trainer's whole state written with `torch.distributed.checkpoint`.
+Design: docs/design-notes.md, "Failures, restarts and elastic jobs" (the restore order, and
+how a checkpoint is read as data).
 
 The only code that knows where checkpoints live. A checkpoint is a directory
 `checkpoint_step_<step>` under the writing sharding group's run directory in Ray Train's storage
 (`RunConfig.storage_path`: a local path, or any pyarrow/fsspec URI on a cluster), written in
 place and not reported to Ray Train (one sharding group writes while the others train, and Ray
 Train's report is a barrier over every worker of a run): the job's recovery coordinator lists
-them (`train.recovery.storage.StorageFallback`). Outside Ray Train (the local launcher, tests) the same code
-writes under a plain directory.
+them (`train.recovery.storage.StorageFallback`). Outside Ray Train (the local launcher, tests)
+the same code writes under a plain directory.
 
-`Checkpointer.maybe_save` writes at the job's cadence (`JobConfig.checkpoints`: every
-`train.checkpoint_every` steps, or by default every 30 minutes of training); `Checkpointer.keep_newest`
-keeps the job's `CHECKPOINTS_KEPT` newest and deletes the older ones. What is written is
-the trainer's `state_dict()`: the same parts as an in-memory snapshot, the shards in the DMP's
-sharded form. Written at sync steps only, when the replicas are identical: the embedding tables are the DMP's
-DTensors, replicated over the replica axis, and DCP's planner writes each replicated shard
-once, so a job with M sharding groups writes one copy of the model, not M, split over the
-workers. Loading is resharding: a checkpoint written at T=4, M=2 loads into T=4, M=1 or
-T=2, M=1 (another L, another plan) because DCP reads whatever overlaps each new shard.
+`Checkpointer.maybe_save` writes the trainer's `state_dict()` at the job's cadence
+(`JobConfig.checkpoints`), at sync steps only, when the replicas are identical: DCP writes each
+replicated shard once, so a job with M sharding groups writes one copy of the model, split over
+the workers; `Checkpointer.keep_newest` keeps the `CHECKPOINTS_KEPT` newest. Loading reshards:
+DCP reads whatever overlaps each new shard, so another M, L or plan loads it.
 
-Reading is restricted to data. A checkpoint directory on a shared volume holds whatever anyone
-who can write there put in it, and DCP unpickles two things from it: the `.metadata` file
-(`pickle.load`, which calls any callable the file names) and the non-tensor entries
-(`torch.load(weights_only=False)`). `load` reads `.metadata` with an unpickler that admits only
-an exact list of DCP's metadata classes and the torch types they carry (`METADATA_GLOBALS`: no
-module, no namespace, nothing that hands out one), allows a BUILD only onto an instance of DCP's
-metadata dataclasses (`BUILDABLE`: never onto a class, a module, a function or an enum member the
-whole process shares), and refuses metadata whose storage entries point outside the checkpoint's
-directory. The data files are read by recgrid's own loop over DCP's plan (`read_items`): a file
-that is a link out of the checkpoint's directory is refused, every entry must lie inside its
-file (a declared length is never read past the file's end), a tensor entry must hold a tensor of
-the dtype and shape its metadata declares (nothing is cast), and the non-tensor entries are read
-with `torch.load(weights_only=True)` (recgrid writes them as JSON strings and plain tensors). A
-file that names anything else is refused with its path and the name. (torch's weights-only
-unpickler cannot read `.metadata`: it stops at protocol 4's FRAME opcode.)
+Reading is restricted to data (`read_checkpoint`): `.metadata` through an unpickler that admits
+only `METADATA_GLOBALS` and builds only onto `BUILDABLE` instances, storage entries only inside
+the checkpoint's directory, the data files through recgrid's own loop over DCP's plan
+(`read_items`: no link out, no entry past its file's end, every tensor of its declared dtype and
+shape, the rest with `torch.load(weights_only=True)`). Anything else is refused with its path.
 """
 
 from __future__ import annotations

@@ -1,34 +1,23 @@
 """Job control: one actor per job, owned by the driver, that every attempt's workers report to.
 
 `JobControl` keeps what the job's attempts share and what the driver, tests and benchmarks
-watch, apart from recovery (`train.recovery.coordinator`: snapshot holders, the restore plan, recovery
-events):
-- the attempts: each worker group Ray Train starts (or, with torchft, each replica group), with
-  every worker's rank, pid and node (the driver records them in the run as `grid/ranks.json` once
-  an attempt's workers have all registered: `console` hands them over, and this actor never
-  imports MLflow), and when the controller first saw the failure that led to it (`FailureClock`,
-  a Ray Train callback in the controller);
-- the stop flag: `request_stop()` asks the job to end at its next logging interval, as if it
-  had reached max_steps; `request_stop(interrupt=True)` (the driver's Ctrl-C or SIGTERM) at its
-  next stop check, a few steps away (`train.trainer`), without the final evaluation. The
-  workers agree on it through their trainer's replica component; rank 0 reads it without
-  waiting (`StopPoll`) and tells where the job ended (`finished`);
-- the console: the lines the workers have for the user (progress, recoveries, failures), which
-  the driver prints (`say`, `console`): Ray's own forwarding of worker output stays off;
-- heartbeats: the newest step any attempt finished, sent by the worker that logs, throttled to
-  one call per `HEARTBEAT_S` (and every logging step), never one per step;
-- MLflow de-duplication: the newest step whose metrics reached the run (`mark_logged`),
-  `claim_step`, which says yes once per series and step, restarts included, and each recovery
-  event's place in the run (`event_slot`: the step and time its metrics carry, fixed by the first
-  logger that asks, so a logger killed mid-write leaves a write the next one repeats exactly, which
-  MLflow stores once) until it is logged (`event_logged`);
-- with torchft, each sharding group's progress (`group_progress`): the step and data cursor of
-  its newest committed round, noted by the group's shard rank 0 after every commit, so a rebuilt
-  group reads on from its own parts of the epoch (no row skipped), and a recovery can say how
-  fast the groups that kept training went meanwhile; each group's cursor at the job's restore
-  points (the steps of its in-memory snapshots and storage checkpoints, `pin`) is kept too
-  (`cursors_at`), and a restore of one sets every group back to it (`rewind_groups`); and the
-  groups that left at a node drain (`group_leaves`), until they commit again.
+watch, apart from recovery (`train.recovery.coordinator`: snapshot holders, the restore plan,
+recovery events):
+- the attempts: every worker's rank, pid and node per attempt (the driver records them in the
+  run as `grid/ranks.json`; this actor never imports MLflow), and when the controller first saw
+  the failure that led to it (`FailureClock`, a Ray Train callback in the controller);
+- the stop flag: `request_stop()` ends the job at its next logging interval, as if at
+  max_steps; `request_stop(interrupt=True)` (Ctrl-C, SIGTERM) at its next stop check, without
+  the final evaluation; rank 0 reads it without waiting (`StopPoll`);
+- the console: the lines the workers have for the user, which the driver prints (`say`,
+  `console`);
+- heartbeats: the newest step any attempt finished, throttled to one call per `HEARTBEAT_S`;
+- MLflow de-duplication, restarts included: `mark_logged`, `claim_step` (yes once per series
+  and step) and each recovery event's place in the run (`event_slot`, `event_logged`);
+- with torchft, each sharding group's progress (`group_progress`: step and data cursor of its
+  newest committed round), its cursors at the job's restore points (`pin`, `cursors_at`,
+  `rewind_groups`) and the groups that left at a node drain (`group_leaves`).
+Design: docs/design-notes.md, "Failures, restarts and elastic jobs".
 
 Actors are created on first use (`LazyActor`), so importing this module needs no Ray.
 """

@@ -5,29 +5,12 @@ example counts, peak memory) and the one collective that turns every worker's me
 into the job's numbers (`reduce_metrics`). Every state is a plain sum (or a maximum), as in
 `torchrec.metrics.ne`, so the reduced value is the same for any group count M and any
 uneven split of rows between workers: NE and AUC are computed from summed states, never
-averaged from per-worker NE or AUC.
+averaged from per-worker NE or AUC. NE follows `torchrec.metrics.ne` exactly (`ne_from_sums`:
+predictions and the base rate clamped to `[eta, 1-eta]`, `eta = 1e-12`, cross-entropy in bits);
+AUC is binned (its precision: `AUCHistogram`).
 
 Metric names, units, meanings and who logs them: the one table, `recgrid.train.export.TABLE`
 (docs/reference.md's metrics section is generated from it).
-
-The `lookup` phase includes the all-to-all, so a fast worker's wait for the slowest one is
-charged to its lookup time and pulls the ratio toward 1; to see the raw per-worker kernel
-imbalance, time the local lookup as its own phase and pass it as `imbalance_phase`.
-
-NE follows `torchrec.metrics.ne` exactly: predictions are clamped to `[eta, 1-eta]` with
-`eta = 1e-12`, cross-entropy is in bits (log2), the base rate is clamped the same way.
-
-AUC precision: predictions are binned into `num_bins` equal bins of [0, 1] (default 2^18,
-width 3.8e-6); each bin counts (weighted) positives and negatives. AUC is the trapezoid
-over bins, which gives a positive/negative pair in the same bin half credit. That is exactly
-how torchmetrics' exact `binary_auroc` counts *exact ties*, so for predictions whose
-distinct values fall in distinct bins the result equals torchmetrics' to float64 rounding.
-Only distinct predictions that share a bin can differ, and by at most
-`sum_b pos_b * neg_b / (2 P N)` (logged as `eval/auc_max_error`; ~3e-6 for predictions
-spread over [0.02, 0.5], ~6e-5 when all predictions sit in [0.01, 0.07]). Measured against
-torchmetrics on 100k-500k CTR-like rows the difference is 1e-8 to 3e-7, mostly torchmetrics'
-own float32 arithmetic; tests assert 1e-5. The histogram costs 2 * num_bins float64 (4 MiB)
-per worker and is all-reduced once per evaluation.
 
 All workers must call `reduce_metrics` together with states of the same shape (same
 phases, same `num_bins`, same choice of train/eval); a worker with no rows passes empty
@@ -121,7 +104,17 @@ def auc_from_histograms(pos: torch.Tensor, neg: torch.Tensor) -> tuple[float, fl
 
 
 class AUCHistogram:
-    """Per-bin (weighted) positive and negative counts of predicted probabilities in [0, 1]."""
+    """Per-bin (weighted) positive and negative counts of predicted probabilities in [0, 1].
+
+    Precision: `num_bins` equal bins (default 2^18, width 3.8e-6); AUC is the trapezoid over bins,
+    which gives a positive/negative pair in one bin half credit, as torchmetrics' exact
+    `binary_auroc` counts exact ties: predictions whose distinct values fall in distinct bins get
+    torchmetrics' AUC to float64 rounding. Distinct predictions sharing a bin differ by at most
+    `sum_b pos_b * neg_b / (2 P N)` (`eval/auc_max_error`; ~3e-6 for predictions over [0.02, 0.5],
+    ~6e-5 when all sit in [0.01, 0.07]). Against torchmetrics on 100k-500k CTR-like rows the
+    difference measured 1e-8 to 3e-7, mostly torchmetrics' own float32 arithmetic; tests assert
+    1e-5. Costs 2 * num_bins float64 (4 MiB) per worker, all-reduced once per evaluation.
+    """
 
     def __init__(self, num_bins: int = DEFAULT_NUM_BINS, device: torch.device | str = "cpu") -> None:
         self.num_bins = int(num_bins)
@@ -314,6 +307,11 @@ class TrainMetrics:
     `deferred` picks the timer: a `DeferredPhaseTimer` of device stopwatches read once per
     logging interval (the default where the training loop is pipelined, i.e. on CUDA), or a
     `PhaseTimer` on the host clock (CPU).
+
+    `imbalance_phase` is the phase whose max over mean is `imbalance/lookup_max_over_mean`. The
+    `lookup` phase includes the all-to-all, so a fast worker's wait for the slowest one is charged
+    to its lookup time and pulls the ratio toward 1; for the raw per-worker kernel imbalance, time
+    the local lookup as a phase of its own (`lookup_kernel`) and name it here.
     """
 
     def __init__(
