@@ -57,6 +57,7 @@ DEFAULT_NUM_CPUS_PER_TASK = 0.25  # read tasks must fit next to the training wor
 DEFAULT_BLOCK_BYTES = 4 << 20
 DEFAULT_ROWS_PER_TASK = 32_768  # rows a read task reads and collates: per-task and per-block costs amortised
 _EXPAND_ROWS = 2048  # rows whose multi-hot bags are expanded at once (see collate_block)
+_BAGS_VALUES = 1 << 20  # a feature's table of every id's bag is kept up to this many values (8 MiB)
 DEFAULT_PREFETCH_BLOCKS = 2  # collated blocks the training process holds ready ahead of the loop
 
 
@@ -143,9 +144,20 @@ def _read_files(batch: Mapping[str, np.ndarray], spec: DatasetSpec) -> Iterator[
 
 
 @functools.lru_cache(maxsize=8)
-def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], seed: int) -> tuple[np.ndarray | None, ...]:
-    """Per feature: [2048, bag] uint32 offsets of a whole bag (`transforms.bag_offsets`; None for bags of one)."""
-    return tuple(bag_offsets(rows, bag, seed, f) for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes)))
+def _bag_tables(table_rows: tuple[int, ...], bag_sizes: tuple[int, ...],
+                seed: int) -> tuple[tuple[np.ndarray | None, np.ndarray | None], ...]:
+    """Per feature (bags, offsets): `bags` [rows, bag] int64, every id's whole bag, where rows x bag
+    is at most _BAGS_VALUES (a bag is then one gathered row); else `offsets`, the [2048, bag]
+    uint32 offsets of `transforms.bag_offsets`, expanded per id (`expand_bags`); both None for
+    bags of one. `bags` is `expand_bags` of every id, so both ways give the same bag."""
+    out = []
+    for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes)):
+        offsets = bag_offsets(rows, bag, seed, f)
+        if offsets is not None and rows * bag <= _BAGS_VALUES:
+            out.append((expand_bags(np.arange(rows, dtype=np.uint32), offsets, rows).astype(np.int64), None))
+        else:
+            out.append((None, offsets))
+    return tuple(out)
 
 
 def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size: int,
@@ -173,8 +185,10 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
     nb = n // b
     ids = np.stack([np.asarray(cols[name], dtype=np.int64) for name in SPARSE_NAMES])  # [26, n]
     rows = np.asarray(spec.table_rows, dtype=np.int64)
-    bad = (ids < 0) | (ids >= rows[:, None])
-    if bad.any():  # an id past its table would be a silent wrong lookup (or a crash) later
+    # one pass: as uint64 a negative id is above every table's rows
+    if (ids.view(np.uint64).max(axis=1, initial=0) >= rows.astype(np.uint64)).any():
+        # an id past its table would be a silent wrong lookup (or a crash) later
+        bad = (ids < 0) | (ids >= rows[:, None])
         f = int(np.flatnonzero(bad.any(axis=1))[0])
         raise CriteoDataError(
             "<batch>", f"id {int(ids[f][bad[f]][0])} outside table rows [0, {rows[f]}) of spec "
@@ -188,18 +202,19 @@ def collate_block(cols: Mapping[str, np.ndarray], spec: DatasetSpec, batch_size:
             raise ValueError(f"spec {spec.name!r}: multi-hot expansion needs table rows < 2^31")
         values = np.empty((nb, b * sum(bags)), np.int64)
         tables = _bag_tables(spec.table_rows, bags, multi_hot_seed)
-        ids32 = ids.astype(np.uint32)
+        ids32 = ids.astype(np.uint32) if any(o is not None for _, o in tables) else None
         step = max(1, _EXPAND_ROWS // b)  # batches expanded at once: their values stay in cache
         for j in range(0, nb, step):
             k = min(step, nb - j)
             start = 0
-            for f, bag_table in enumerate(tables):
-                x = ids32[f, j * b:(j + k) * b].reshape(k, b, 1)
-                if bag_table is None:
-                    values[j:j + k, start:start + b] = x[..., 0]
+            for f, (whole, offsets) in enumerate(tables):
+                out = values[j:j + k, start:start + b * bags[f]]
+                if whole is not None:  # ids were checked against the table's rows above: no bounds check
+                    out[...] = whole.take(ids[f, j * b:(j + k) * b], axis=0, mode="clip").reshape(k, -1)
+                elif offsets is not None:
+                    out[...] = expand_bags(ids32[f, j * b:(j + k) * b], offsets, int(rows[f])).reshape(k, -1)
                 else:
-                    v = expand_bags(x[..., 0], bag_table, int(rows[f]))  # [k, b, bag]
-                    values[j:j + k, start:start + b * bags[f]] = v.reshape(k, -1)
+                    out[...] = ids[f, j * b:(j + k) * b].reshape(k, b)
                 start += b * bags[f]
     else:  # key-major: all of C1's ids of a batch, then C2's, ... as the KJT lays them out
         values = ids.reshape(len(SPARSE_NAMES), nb, b).transpose(1, 0, 2).reshape(nb, -1)
@@ -311,7 +326,8 @@ def synthetic_batches(
 
 def _concat(tables: Sequence[pa.Table]) -> pa.Table:
     """Prepared tables as one; a row id column survives only if every table has it."""
-    names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if all(n in t.column_names for t in tables)]
+    present = [set(t.column_names) for t in tables]
+    names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if all(n in p for p in present)]
     return pa.concat_tables([t.select(names) for t in tables]) if tables else PREPARED_SCHEMA.empty_table()
 
 
@@ -586,7 +602,8 @@ def read_unit(path: str, unit: Unit, spec: DatasetSpec, fmt: str | None = None) 
     parquet = fmt == PARQUET
     if parquet:
         f = parquet_file(path)
-        names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if n in f.schema_arrow.names]
+        present = set(f.schema_arrow.names)
+        names = [n for n in (*PREPARED_SCHEMA.names, ROW_ID) if n in present]
         groups, start = [], 0  # the row groups overlapping the range; `offset`: the first one's first row
         for g in range(f.metadata.num_row_groups):
             n = f.metadata.row_group(g).num_rows
