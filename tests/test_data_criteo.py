@@ -233,3 +233,53 @@ def test_a_corrupt_parquet_shard_stops_the_job_and_prepare_naming_the_file(tmp_p
     for path in (truncated, damaged):
         with pytest.raises(CriteoDataError, match=f"^{re.escape(path)}: is parquet"):
             prepare([path], str(tmp_path / "out"), get_spec("tiny"), log=lambda *_: None)
+
+
+def test_plain_lines_parse_the_fast_way_to_the_rows_the_general_way_gives(monkeypatch):
+    """`_parse_plain` (array operations over raw bytes) takes only lines the general parser accepts,
+    and gives the same rows bit for bit; anything else it leaves to the general parser."""
+    import random
+
+    from recgrid.data import criteo
+
+    spec = get_spec("tiny")
+    rng = random.Random(0)
+    odd = [chr(c) for c in range(1, 128) if chr(c) not in "\t\n0123456789abcdefABCDEF"] + ["\x80", "\xff"]
+    dense_ok = ["", "0", "7", "-1", "-0", "007", "12345678", "-1234567", "99999999"]
+    dense_other = ["-", "123456789", "+5", " 5", "1-2", "0x10", "1e3", "5\r"]
+    hex_ok = ["", "68fd1e64", "ABCDEF01", "a1B2c3D4"]
+    hex_other = ["1234567", "123456789", "0", "68fd1e6\r"]
+
+    def field(ok, other, p):
+        if rng.random() < p:
+            return rng.choice(ok)
+        return rng.choice(other + [rng.choice(ok[1:]) + rng.choice(odd), rng.choice(odd) + rng.choice(ok[1:])])
+
+    def general(data):
+        with monkeypatch.context() as m:
+            m.setattr(criteo, "_parse_plain", lambda *_: None)
+            return parse_lines(data, spec, file="f", skip_bad=True)
+
+    fast_taken = 0
+    for _ in range(400):
+        p = rng.choice([1.0, 1.0, 0.999, 0.99])
+        lines = []
+        for _ in range(rng.randrange(1, 40)):
+            f = [rng.choice(["0", "1"]) if rng.random() < p else rng.choice(["", "2", "01", " 1"])]
+            f += [field(dense_ok, dense_other, p) for _ in range(13)] + [field(hex_ok, hex_other, p) for _ in range(26)]
+            if rng.random() > p:
+                f = f[:rng.randrange(40)] + (["x"] if rng.random() < 0.5 else [])
+            lines.append("\t".join(f))
+        data = ("\n".join(lines) + "\n").encode("latin-1")
+        fast = criteo._parse_plain(data, spec)
+        if fast is None:
+            continue
+        fast_taken += 1
+        slow = general(data)
+        assert slow.bad_rows == 0 and fast.schema == slow.table.schema
+        for a, b in zip(fast.columns, slow.table.columns):
+            assert a.to_numpy().tobytes() == b.to_numpy().tobytes()
+    assert fast_taken > 100
+    # the whole chunk goes the general way when one line is not plain, and keeps its line numbers
+    with pytest.raises(CriteoDataError, match=r"f:3: field C1: '1234567g' is not a hexadecimal id"):
+        parse_lines(((GOOD + "\n") * 2 + GOOD.replace("0a1b2c3d", "1234567g", 5) + "\n").encode(), spec, file="f")

@@ -23,12 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recgrid.cluster import ClusterError, connect
 from recgrid.data.criteo import (
-    PREPARED_SCHEMA, TSV, TSV_GZ, CriteoDataError, expand_inputs, iter_line_chunks, line_part_offsets,
-    parse_lines, prepared_metadata, sniff_format,
+    PREPARED_ROW_GROUP_ROWS, PREPARED_SCHEMA, TSV, TSV_GZ, CriteoDataError, expand_inputs, iter_line_chunks,
+    line_part_offsets, parse_lines, prepared_metadata, prepared_writer, sniff_format,
 )
 from recgrid.data.stream import data_context
 from recgrid.data.specs import DatasetSpec, SpecError, get_spec
@@ -103,18 +104,32 @@ class _ShardWriter:
         self.final = os.path.join(out, name)
         self.tmp = os.path.join(out, f"{TMP_PREFIX}{name}.{os.getpid()}")
         self.schema = PREPARED_SCHEMA.with_metadata(prepared_metadata(spec))
-        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self.writer = prepared_writer(self.tmp, self.schema)
+        self.pending: list[pa.Table] = []  # rows short of a whole row group
         self.rows = self.bad = self.lines = 0
         self.examples: list[str] = []
 
     def write(self, chunk) -> None:
-        self.writer.write_table(chunk.table.replace_schema_metadata(self.schema.metadata))
+        self.pending.append(chunk.table.replace_schema_metadata(self.schema.metadata))
         self.rows += chunk.table.num_rows
         self.bad += chunk.bad_rows
         self.lines += chunk.lines
         self.examples += chunk.bad_examples[: max(0, 5 - len(self.examples))]
+        self._flush(last=False)
+
+    def _flush(self, last: bool) -> None:
+        """Write the pending rows in row groups of PREPARED_ROW_GROUP_ROWS, from the shard's first
+        row on (all of them if `last`; else the rest waits for more)."""
+        rows = sum(t.num_rows for t in self.pending)
+        whole = rows if last else rows - rows % PREPARED_ROW_GROUP_ROWS
+        if not whole:
+            return
+        table = pa.concat_tables(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.writer.write_table(table.slice(0, whole), row_group_size=PREPARED_ROW_GROUP_ROWS)
+        self.pending = [table.slice(whole)] if whole < rows else []
 
     def commit(self, source: dict) -> dict:
+        self._flush(last=True)
         stats = {**source, "rows": self.rows, "bad_rows": self.bad, "lines": self.lines}
         self.writer.add_key_value_metadata({SOURCE_KEY.decode(): json.dumps(stats)})
         self.writer.close()

@@ -37,11 +37,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
 from recgrid.data.criteo import (
-    PARQUET, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, names_data, prepared_metadata, transform_categorical,
-    transform_dense,
+    PARQUET, PREPARED_ROW_GROUP_ROWS, PREPARED_SCHEMA, ROW_ID, TSV, TSV_GZ, names_data, prepared_metadata,
+    prepared_writer, transform_categorical, transform_dense,
 )
 from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, DatasetSpec, get_spec
 
@@ -299,12 +298,13 @@ def write_synth(
                 # all files), so a test can account for every row a job trains
                 schema = PREPARED_SCHEMA.append(pa.field(ROW_ID, pa.int64())).with_metadata(prepared_metadata(spec))
                 first = (stream << 40) + (rows // files) * i + min(i, rows % files)
-                with pq.ParquetWriter(tmp, schema) as w:
+                with prepared_writer(tmp, schema) as w:
                     for n, rng in _chunks(n_rows, seed, stream, i):
                         table = prepared_table(model, model.sample(n, rng))
                         table = table.append_column(ROW_ID, pa.array(np.arange(first, first + n, dtype=np.int64)))
                         first += n
-                        w.write_table(table.replace_schema_metadata(schema.metadata))
+                        w.write_table(table.replace_schema_metadata(schema.metadata),
+                                      row_group_size=PREPARED_ROW_GROUP_ROWS)
             else:
                 with open(tmp, "wb") as raw:
                     # mtime=0 and no file name in the header: same seed, same bytes

@@ -55,7 +55,11 @@ def transform_dense(values: np.ndarray, missing: np.ndarray | None = None) -> np
 
 def transform_categorical(hashes: np.ndarray, rows: int, missing: np.ndarray | None = None) -> np.ndarray:
     """Categorical transform: missing -> 0, else hash % rows (hash = int(hex, 16)), int64."""
-    ids = (np.asarray(hashes, dtype=np.uint64) % np.uint64(rows)).astype(np.int64)
+    hashes = np.asarray(hashes)
+    if hashes.dtype == np.uint32 and rows < 1 << 32:  # the same remainders in 32 bits, several times faster
+        ids = (hashes % np.uint32(rows)).astype(np.int64)
+    else:
+        ids = (np.asarray(hashes, dtype=np.uint64) % np.uint64(rows)).astype(np.int64)
     if missing is not None:
         ids[missing] = 0
     return ids
