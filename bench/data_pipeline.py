@@ -3,16 +3,18 @@ against pyarrow's bare parquet read, and training fed by Ray Data against traini
 
 Writes bench/results/data_pipeline.json (configuration, machine, figures) and prints it.
 
-Figures:
-  pyarrow_csv        pyarrow.csv.read_csv of the same raw files, one thread: rows/s per core
+Figures (each run `--repeat` times, the measurements taking turns; rows/s per core from the
+median CPU seconds (`*_cpu`, process time) and from the median wall seconds (`*_wall`)):
+  pyarrow_csv        pyarrow.csv.read_csv of the same raw files, one thread: the reference
   parse_transform    recgrid's parse + validate + transform, in process, one core (no write)
   prepare_one_core   one prepare unit's work in process (parse, transform, parquet write)
-  prepare_ray        `prepare` on Ray Data over all cores: rows/s, rows/s per core, and the
-                     ratio per core against pyarrow_csv
+  prepare_ray        `prepare` on Ray Data over all cores, each run beside a pyarrow_csv run:
+                     rows/s over the cores (wall) and over the prepare tasks' CPU seconds (cpu),
+                     and both as ratios to pyarrow's
   input_per_core     prepared parquet -> ready batches on one core, one-hot and multi-hot: the
-                     work of a read task (read the units' rows, collate) and of the training
-                     process (wrap into torchrec Batches), each stage timed, beside
-                     pyarrow.parquet's bare read of the same files (the limit)
+                     work of a read task (read the units' rows, collate), stage by stage, beside
+                     pyarrow.parquet's bare read of the same files (the limit), and the training
+                     process's wrap into torchrec Batches
   ray_stream         rows/s of one worker's stream through Ray Data (`ray_batches`, the training
                      path) over every file, and Ray Data's own per-operator stats
   training_qps       stream_over_memory: QPS of the 2-D training loop fed by Ray Data over QPS
@@ -28,31 +30,45 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 
 
 
-def best_of(fn, repeat: int) -> float:
-    """Fastest of `repeat` runs, in seconds: the machine is shared, the minimum is the signal."""
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def rounds_of(fns: dict, rounds: int) -> dict:
+    """Each of `fns` run `rounds` times, taking turns (a burst of load elsewhere hits all alike):
+    name -> {"cpu": [process seconds], "wall": [seconds]}."""
+    out = {name: {"cpu": [], "wall": []} for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            c, w = time.process_time(), time.perf_counter()
+            fn()
+            out[name]["cpu"].append(time.process_time() - c)
+            out[name]["wall"].append(time.perf_counter() - w)
+    return out
+
+
+def rates(rows: int, times: dict) -> dict:
+    """rows/s per core from the median CPU and the median wall seconds of a figure's runs."""
+    return {"rows_per_s_per_core_cpu": rows / statistics.median(times["cpu"]),
+            "rows_per_s_per_core_wall": rows / statistics.median(times["wall"]),
+            "cpu_seconds": times["cpu"], "wall_seconds": times["wall"]}
 
 
 def bench_parse(files: list[str], rows: int, spec, repeat: int) -> dict:
+    """pyarrow's CSV reader (one thread, the same files, its own type inference), recgrid's parse +
+    validate + transform, and one prepare unit's whole work (parse, transform, parquet write),
+    in process, taking turns; ratios of the medians, CPU and wall."""
     import pyarrow.csv as pacsv
 
     from recgrid.data.criteo import TSV, read_raw
     from recgrid.data.prepare import _process_unit
 
-    def pyarrow_parse(threads: bool):
+    def pyarrow_parse():
         for p in files:
-            pacsv.read_csv(p, read_options=pacsv.ReadOptions(autogenerate_column_names=True, use_threads=threads),
+            pacsv.read_csv(p, read_options=pacsv.ReadOptions(autogenerate_column_names=True, use_threads=False),
                            parse_options=pacsv.ParseOptions(delimiter="\t"))
 
     def ours():
@@ -70,36 +86,55 @@ def bench_parse(files: list[str], rows: int, spec, repeat: int) -> dict:
             s = _process_unit(unit, spec=spec, out=out_dir, skip_bad=False, rows_per_file=10**9)
             assert not s["error"], s["error"]
 
-    t_pa = best_of(lambda: pyarrow_parse(False), repeat)
-    t_pa_mt = best_of(lambda: pyarrow_parse(True), repeat)
-    t_ours = best_of(ours, repeat)
-    t_unit = best_of(one_unit, repeat)
+    t = rounds_of({"pyarrow_csv": pyarrow_parse, "parse_transform": ours, "prepare_one_core": one_unit}, repeat)
     shutil.rmtree(out_dir)
-    return {
-        "pyarrow_csv": {"rows_per_s_per_core": rows / t_pa, "rows_per_s_all_threads": rows / t_pa_mt},
-        "parse_transform": {"rows_per_s_per_core": rows / t_ours, "ratio_to_pyarrow": t_pa / t_ours},
-        "prepare_one_core": {"rows_per_s_per_core": rows / t_unit, "ratio_to_pyarrow": t_pa / t_unit},
-    }
+    out = {name: rates(rows, times) for name, times in t.items()}
+    for name in ("parse_transform", "prepare_one_core"):
+        for kind in ("cpu", "wall"):
+            out[name][f"ratio_to_pyarrow_{kind}"] = (statistics.median(t["pyarrow_csv"][kind])
+                                                     / statistics.median(t[name][kind]))
+    return out
 
 
-def bench_prepare_ray(files: list[str], out: str, rows: int, spec, pyarrow_rate: float, rows_per_file: int) -> dict:
+def bench_prepare_ray(files: list[str], out: str, rows: int, spec, repeat: int, rows_per_file: int) -> dict:
+    """`prepare` on Ray Data over all cores, `repeat` times, each run beside a run of pyarrow's
+    CSV reader over the same files (one thread), taking turns. Per core: rows/s over the cores
+    (wall) and rows over the prepare tasks' CPU seconds (cpu); ratios of the medians."""
+    import pyarrow.csv as pacsv
+
     from recgrid.data.prepare import prepare
 
     cores = os.cpu_count() or 1
     # warm-up: Ray's worker processes start and import once; a long prepare pays that once too
     prepare(files, out + "-warmup", spec, rows_per_file=rows_per_file // 8 or 1, log=lambda *_: None)
     shutil.rmtree(out + "-warmup")
-    shutil.rmtree(out, ignore_errors=True)
-    r = prepare(files, out, spec, rows_per_file=rows_per_file, log=lambda *_: None)
-    assert r.rows == rows, r
-    per_core = r.rows_per_second / cores
-    return {"rows_per_s": r.rows_per_second, "cores": cores, "rows_per_s_per_core": per_core,
-            "ratio_per_core_to_pyarrow": per_core / pyarrow_rate, "seconds": r.seconds,
-            "shards": r.shards_written}
+    runs: dict = {"prepare": [], "pyarrow_cpu": [], "pyarrow_wall": []}
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        r = prepare(files, out, spec, rows_per_file=rows_per_file, log=lambda *_: None)
+        assert r.rows == rows, r
+        runs["prepare"].append({"seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "shards": r.shards_written})
+        c, w = time.process_time(), time.perf_counter()
+        for p in files:
+            pacsv.read_csv(p, read_options=pacsv.ReadOptions(autogenerate_column_names=True, use_threads=False),
+                           parse_options=pacsv.ParseOptions(delimiter="\t"))
+        runs["pyarrow_cpu"].append(time.process_time() - c)
+        runs["pyarrow_wall"].append(time.perf_counter() - w)
+    wall = statistics.median(p["seconds"] for p in runs["prepare"])
+    cpu = statistics.median(p["cpu_seconds"] for p in runs["prepare"])
+    pa_cpu, pa_wall = statistics.median(runs["pyarrow_cpu"]), statistics.median(runs["pyarrow_wall"])
+    return {"cores": cores, "rows_per_s": rows / wall, "rows_per_s_per_core_wall": rows / wall / cores,
+            "rows_per_s_per_core_cpu": rows / cpu,
+            "ratio_per_core_to_pyarrow_wall": (rows / wall / cores) / (rows / pa_wall),
+            "ratio_per_core_to_pyarrow_cpu": (rows / cpu) / (rows / pa_cpu),
+            "pyarrow_rows_per_s_per_core_cpu": rows / pa_cpu, "pyarrow_rows_per_s_per_core_wall": rows / pa_wall,
+            "runs": runs}
 
 
 def bench_input_per_core(prepared_dir: str, spec, batch_size: int, repeat: int) -> dict:
-    """One core's work from prepared parquet to ready batches, stage by stage (no Ray)."""
+    """One core's work from prepared parquet to ready batches, stage by stage (no Ray), the
+    stages taking turns. A read task's work is read + collate (medians of CPU and of wall
+    seconds); collated blocks are dropped as made, as a read task hands them to Ray."""
     import pyarrow.parquet as pq
 
     from recgrid.data.stream import read_task_table, batches_of_block, collate_block, read_tasks, scan_inputs
@@ -107,8 +142,11 @@ def bench_input_per_core(prepared_dir: str, spec, batch_size: int, repeat: int) 
     inputs = scan_inputs(prepared_dir, spec)
     rows = inputs.total_rows - inputs.total_rows % batch_size
     tasks = read_tasks(inputs.units(), batch_size)  # what the training path's read tasks read
-    t_bare = best_of(lambda: [pq.read_table(p, use_threads=False) for p in inputs.files], repeat)
     blocks = []
+
+    def bare():
+        for p in inputs.files:
+            pq.read_table(p, use_threads=False)
 
     def read():
         blocks.clear()
@@ -116,26 +154,24 @@ def bench_input_per_core(prepared_dir: str, spec, batch_size: int, repeat: int) 
             (table,) = read_task_table(inputs, task, spec)
             blocks.append({n: table.column(n).to_numpy() for n in table.column_names})
 
-    t_read = best_of(read, repeat)
+    read()
+    specs = {"one_hot": spec, "multi_hot": spec.with_multi_hot()}
+    fns = {"pyarrow_read_parquet": bare, "read": read}
+    for name, s in specs.items():
+        fns[name] = (lambda s: lambda: [collate_block(b, s, batch_size) for b in blocks] and None)(s)
+    t = rounds_of(fns, repeat)
     out = {"rows": rows, "batch_size": batch_size, "rows_per_task": sum(u.rows for u in tasks[0]),
-           "pyarrow_read_parquet": {"rows_per_s_per_core": rows / t_bare}}
-    for name, s in (("one_hot", spec), ("multi_hot", spec.with_multi_hot())):
-        collated = []
-
-        def collate():
-            collated.clear()
-            collated.extend(collate_block(b, s, batch_size) for b in blocks)
-
-        t_collate = best_of(collate, repeat)
-        sum(1 for _ in batches_of_block(collated[0]))  # warm-up: torch and torchrec imported once
-        t_wrap = best_of(lambda: [sum(1 for _ in batches_of_block(b)) for b in collated], repeat)
-        total = t_read + t_collate
+           "pyarrow_read_parquet": rates(rows, t["pyarrow_read_parquet"]), "read": rates(rows, t["read"])}
+    for name, s in specs.items():
+        first = collate_block(blocks[0], s, batch_size)
+        sum(1 for _ in batches_of_block(first))  # warm-up: torch and torchrec imported once
+        wrap = rounds_of({"wrap": lambda: sum(1 for _ in batches_of_block(first))}, repeat)["wrap"]
+        task = {k: [a + b for a, b in zip(t["read"][k], t[name][k])] for k in ("cpu", "wall")}
         out[name] = {
-            "rows_per_s_per_core": rows / total,  # a read task's work: read + collate
-            "ratio_to_pyarrow_read": t_bare / total,
-            "seconds_per_million_rows": {"read": 1e6 * t_read / rows, "collate": 1e6 * t_collate / rows,
-                                         "training_process_wrap": 1e6 * t_wrap / rows},
-            "training_process_rows_per_s": rows / t_wrap,
+            **rates(rows, task),  # a read task's work: read + collate
+            "seconds_per_million_rows_cpu": {"read": 1e6 * statistics.median(t["read"]["cpu"]) / rows,
+                                             "collate": 1e6 * statistics.median(t[name]["cpu"]) / rows},
+            "training_process_rows_per_s": first["labels"].size / statistics.median(wrap["wall"]),
         }
     return out
 
@@ -151,7 +187,9 @@ def bench_ray_stream(prepared_dir: str, spec, batch_size: int, repeat: int) -> d
         stats: list[str] = []
         sum(1 for _ in ray_batches(inputs, inputs.units(), s, batch_size))  # warm-up: worker processes, imports
         rows = (inputs.total_rows // batch_size) * batch_size
-        dt = best_of(lambda: sum(1 for _ in ray_batches(inputs, inputs.units(), s, batch_size, stats=stats)), repeat)
+        runs = rounds_of({"stream": lambda: sum(1 for _ in ray_batches(inputs, inputs.units(), s, batch_size,
+                                                                       stats=stats))}, repeat)["stream"]
+        dt = statistics.median(runs["wall"])
         out[name] = {"rows": rows, "seconds": dt, "rows_per_s": rows / dt, "ray_data_stats": stats[-1].splitlines()}
     return out
 
@@ -274,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="T, training workers")
     ap.add_argument("--batch-size", type=int, default=512, help="per-worker batch size")
     ap.add_argument("--spec", default="tiny")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per figure; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per figure, taking turns; the median counts")
     ap.add_argument("--rounds", type=int, default=4,
                     help="turns of the training-QPS measurement (memory, then stream); each mode's fastest counts")
     ap.add_argument("--training-only", action="store_true",
@@ -309,10 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                  _system_config=LOCAL_SYSTEM_CONFIG)
         try:
             prepared = os.path.join(work, "prepared")
-            figures["prepare_ray"] = bench_prepare_ray(
-                raw, prepared, args.rows, spec, figures["pyarrow_csv"]["rows_per_s_per_core"],
-                rows_per_file=max(1, args.rows // args.files),
-            )
+            figures["prepare_ray"] = bench_prepare_ray(raw, prepared, args.rows, spec, args.repeat,
+                                                       rows_per_file=max(1, args.rows // args.files))
             figures["input_per_core"] = bench_input_per_core(prepared, spec, args.batch_size, args.repeat)
             figures["ray_stream"] = bench_ray_stream(prepared, spec, args.batch_size, args.repeat)
             figures["training_qps"] = measure_training_qps(spec, prepared, 256, args.workers, rounds=args.rounds)

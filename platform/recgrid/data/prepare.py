@@ -50,6 +50,7 @@ class PrepareResult:
     shards_skipped: int = 0
     seconds: float = 0.0
     rows_this_run: int = 0
+    cpu_seconds: float = 0.0  # the units' CPU time in their tasks (this run's)
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -151,11 +152,13 @@ def _process_unit(unit: dict, **kwargs) -> dict:
     it and keep only its text, and the driver wants the file, line and field.
     """
     stats = {"path": unit["path"], "rows": 0, "bad_rows": 0, "written": 0, "skipped": 0, "rows_new": 0,
-             "examples": "[]", "error": ""}
+             "examples": "[]", "error": "", "cpu_seconds": 0.0}
+    cpu = time.process_time()
     try:
         _process_unit_into(unit, stats, **kwargs)
     except CriteoDataError as e:
         stats["error"] = json.dumps([e.file, e.detail, e.line, e.field])
+    stats["cpu_seconds"] = time.process_time() - cpu
     return stats
 
 
@@ -294,6 +297,7 @@ def prepare(
                 result.rows += s["rows"]
                 result.bad_rows += s["bad_rows"]
                 result.rows_this_run += s["rows_new"]
+                result.cpu_seconds += s["cpu_seconds"]
                 result.shards_written += s["written"]
                 result.shards_skipped += s["skipped"]
                 result.examples += json.loads(s["examples"])[: max(0, 5 - len(result.examples))]
