@@ -10,7 +10,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from recgrid.launch.local import free_port
+
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 
 
@@ -29,12 +30,6 @@ def manifest_docs() -> list[dict]:
     for path in sorted(K8S.glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     return docs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -92,7 +87,7 @@ def start(tmp_path: Path, timeout: float = 120) -> MlflowServer:
     ini = re.sub(r"^database_uri = .*$", f"database_uri = sqlite:///{tmp_path}/basic_auth.db",
                  config_map["data"][ini_name], flags=re.M)
     (tmp_path / ini_name).write_text(ini)
-    port = _free_port()
+    port = free_port()
     moved = {"--host": "127.0.0.1", "--port": str(port), "--workers": "1",
              "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db", "--artifacts-destination": str(tmp_path / "art")}
     args = [a if a.split("=")[0] not in moved else f"{a.split('=')[0]}={moved[a.split('=')[0]]}" for a in container["args"]]

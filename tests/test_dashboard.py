@@ -9,7 +9,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from recgrid.launch.local import free_port
 from recgrid.train import export
 from recgrid.train.export import METRICS, RAY_PREFIX, RayMetricsExporter, exported_names, metric_by_exported_name, resolve
 
@@ -164,17 +164,11 @@ def test_export_without_ray_is_a_no_op():
 
 
 # ---- the real endpoint ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def metrics_port():
     import ray
 
-    port = _free_port()
+    port = free_port()
     # address="local": a new cluster of our own even when another one runs on this machine
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000})
@@ -285,7 +279,7 @@ def test_dashboard_queries_answer_on_a_real_prometheus(metrics_port, exporting, 
     """Every dashboard query, run by a real Prometheus scraping the Ray node: it parses and
     returns series, and the step-time split is the phase's share of the interval times the step time."""
     require_tool("prometheus")
-    port = _free_port()
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         f"global:\n  scrape_interval: 1s\nscrape_configs:\n- job_name: ray\n  static_configs:\n"
         f"  - targets: ['127.0.0.1:{metrics_port}']\n")

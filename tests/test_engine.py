@@ -9,23 +9,13 @@ import torch.distributed as dist
 
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
-from recgrid.engine.model import ModelSpec
 from recgrid.launch.smoke import random_batches
 from recgrid.data.specs import get_spec
+from helpers import engine_config
 
 SPEC = get_spec("tiny")
 QR_HEAD = "qr_head"  # sync_probe's name for a QR-compressed model with a head cache (row-wise shards)
-
-
-def _config(grid, sharding, sync_every, delayed=False, dim=None):
-    from recgrid.config import defaults
-    from recgrid.trainer_config import EngineConfig
-
-    return EngineConfig.from_job(defaults(), 
-        spec=SPEC, model=ModelSpec(embedding_dim=dim),
-        lr=0.05,  # c defaults to M
-        sync_every=sync_every, delayed_moment_sync=delayed, sharding=sharding, seed=7,
-    )
+SEED = "train.seed=7"
 
 
 def _snapshot(model):
@@ -54,7 +44,7 @@ def m1_vs_plain_dmp(steps: int) -> dict:
     T, rank = dist.get_world_size(), dist.get_rank()
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(steps))]
     grid = Grid(T, 1)
-    config = _config(grid, "table_wise", sync_every=1)
+    config = engine_config(SEED, "model.sharding=table_wise")
 
     state = Trainer.build(grid, config, torch.device("cpu"))
     ours = state.run(iter(batches), steps)
@@ -127,10 +117,12 @@ def sync_probe(sharding_types: list[str], steps: int, sync_every: int, delayed: 
     for st in sharding_types:
         if st == QR_HEAD:  # row-wise shards of QR-compressed tables with a head cache, fed by the id transform
             comp = _qr_compression()
-            config = _config(grid, "row_wise", sync_every, delayed).with_compression(comp)
+            config = engine_config(SEED, "model.sharding=row_wise", sync_every=sync_every,
+                                   delayed_moment_sync=delayed).with_compression(comp)
             batches = iter(synthetic_batches(SPEC, 32, steps, seed=7, stream=rank + 1, compression=comp))
         else:
-            config, batches = _config(grid, st, sync_every, delayed), random_batches(SPEC, 32, seed=rank)
+            config = engine_config(SEED, f"model.sharding={st}", sync_every=sync_every, delayed_moment_sync=delayed)
+            batches = random_batches(SPEC, 32, seed=rank)
         state = Trainer.build(grid, config, torch.device("cpu"))
         pre, post = [], []
         state.replica_sync.before_sync.append(lambda s: pre.append(_snapshot(state.model)))

@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from recgrid.config import defaults
 from recgrid.data.specs import get_spec
 from recgrid.engine.grid import Grid
+from helpers import engine_config
 
 SPEC = get_spec("tiny")
 CUDA = torch.cuda.is_available()
@@ -31,18 +33,12 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device: the GPU t
 
 
 # ---- config: the new fields, validated before any worker starts ------------------------------------
-def _config(*overrides: str, check_paths: bool = False):
-    from recgrid.config import load_config
-
-    return load_config(None, ["data.train=x/*.parquet", *overrides], check_paths=check_paths)
-
-
 def test_precision_defaults_to_tf32_on_gpu_and_fp32_on_cpu():
-    cpu, gpu = _config(), _config("train.use_gpu=true")
+    cpu, gpu = defaults(), defaults("train.use_gpu=true")
     assert cpu.train.precision is None and cpu.precision == "fp32"
     assert gpu.precision == "tf32" and gpu.to_flat_dict()["train.precision"] == "tf32"
-    assert _config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16").precision == "bf16"
-    assert _config("train.precision=fp32").precision == "fp32"  # fp32 is fine on CPU
+    assert defaults("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16").precision == "bf16"
+    assert defaults("train.precision=fp32").precision == "fp32"  # fp32 is fine on CPU
     assert cpu.model.embedding_dtype == "fp32"
 
 
@@ -55,7 +51,7 @@ def test_gpu_only_values_are_refused_on_cpu_jobs(override, field):
     from recgrid.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        _config(override)
+        defaults(override)
     msg = str(e.value)
     assert msg.startswith(f"{field}: ") and "train.use_gpu: true" in msg
 
@@ -64,19 +60,18 @@ def test_unknown_precisions_are_refused():
     from recgrid.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^train.precision: must be one of \['fp32', 'tf32', 'bf16'\], got 'fp16'"):
-        _config("train.use_gpu=true", "train.precision=fp16")
+        defaults("train.use_gpu=true", "train.precision=fp16")
     with pytest.raises(ConfigError, match=r"^model.embedding_dtype: must be one of \['fp32', 'fp16'\], got 'bf16'"):
-        _config("train.use_gpu=true", "model.embedding_dtype=bf16")
+        defaults("train.use_gpu=true", "model.embedding_dtype=bf16")
 
 
 def test_engine_config_carries_precision_and_table_dtype():
     from recgrid.engine.device import resolve_precision
-    from recgrid.trainer_config import EngineConfig
 
-    e = EngineConfig.from_job(_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16"))
+    e = engine_config("train.use_gpu=true", "train.precision=bf16", "model.embedding_dtype=fp16")
     assert e.precision == "bf16" and e.model.embedding_dtype == "fp16"
     # null: the device's default, resolved by the trainer (fp32 on a CPU worker)
-    assert resolve_precision(torch.device("cpu"), EngineConfig.from_job(_config()).precision) == "fp32"
+    assert resolve_precision(torch.device("cpu"), engine_config().precision) == "fp32"
 
 
 def test_tables_carry_torchrec_data_type():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recgrid.engine.device import peak_memory_mb
+from recgrid.launch.local import free_port
 from recgrid.train.metrics import (
     EvalMetrics,
     PhaseTimer,
@@ -179,15 +179,9 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_gloo_reduction_equals_single_process_over_all_rows(tmp_path) -> None:
-    mp.spawn(_gloo_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_gloo_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert all(r == results[0] for r in results[1:]), "every rank must get the same numbers"
     got = results[0]

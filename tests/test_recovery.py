@@ -18,6 +18,7 @@ from recgrid.data.units import DataCursor, EpochPlan, Inputs, Unit, take_rows
 from recgrid.engine.grid import Grid
 from recgrid.launch.local import run_local
 from recgrid.launch.smoke import random_batches
+from helpers import engine_config
 
 SPEC = get_spec("tiny")
 
@@ -125,12 +126,7 @@ def test_reader_gives_exactly_the_ranges_asked_for(tmp_path):
 
 
 # ---- snapshots and storage checkpoints on real gloo process groups -------------------------------------
-def _engine(grid, delayed=False, compression=None, **overrides):
-    from recgrid.config import defaults
-    from recgrid.trainer_config import EngineConfig
-
-    return EngineConfig.from_job(defaults(), spec=SPEC, sync_every=2, delayed_moment_sync=delayed, sharding="auto",
-                                 seed=5, **overrides).with_compression(compression)
+JOB = ("grid.sync_every=2", "train.seed=5")  # the trainers' engine here: `engine_config(*JOB, ...)`
 
 
 def _qr_heads(head_rows=32):
@@ -152,7 +148,7 @@ def snapshot_roundtrip() -> dict:
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, 2)
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(10))]
-    a = Trainer.build(grid, _engine(grid), torch.device("cpu"))
+    a = Trainer.build(grid, engine_config(*JOB), torch.device("cpu"))
     a.run(iter(batches[:6]), 6)  # step 6 is a sync: the replicas are equal
     snap, window = a.snapshot(), a.metrics.window_state(a.groups.global_pg)
     # hand every worker the copy its replica peer took (the other sharding group, same shard)
@@ -161,7 +157,7 @@ def snapshot_roundtrip() -> dict:
     dist.all_gather_object(gathered, snap)
     mine = gathered[next(r for r in peers if r != rank)]
     after_a = [float(x) for x in a.run(iter(batches[6:]), 10).losses]
-    b = Trainer.build(grid, _engine(grid), torch.device("cpu"))
+    b = Trainer.build(grid, engine_config(*JOB), torch.device("cpu"))
     b.load_snapshot(mine, window)
     restored_exact = all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), mine.shard))
     own_exact = len(b.shard_tensors()) == len(snap.shard) and all(
@@ -213,7 +209,7 @@ def save_or_load(src: str, phase: str, M: int, dst: str | None = None, head_rows
     rank, T = dist.get_rank(), dist.get_world_size()
     grid = Grid(T, M)
     comp = _qr_heads(head_rows)
-    trainer = Trainer.build(grid, _engine(grid, compression=comp), torch.device("cpu"))
+    trainer = Trainer.build(grid, engine_config(*JOB).with_compression(comp), torch.device("cpu"))
     if phase == "save":
         trainer.run(iter(synthetic_batches(SPEC, 32, 6, seed=5, stream=rank + 1, compression=comp)), 6)
         trainer.state.examples = 777  # any progress value: it must come back
@@ -261,7 +257,7 @@ def _flat(d, prefix=""):
 def test_storage_checkpoint_resumes_at_another_m_and_l(tmp_path):
     written_at = run_local(save_or_load, 4, str(tmp_path / "a"), "save", 2)
     saved = written_at[0]["path"]
-    lr = _engine(Grid(4, 2)).lr
+    lr = engine_config(*JOB).lr
     assert [lr * 2 ** 0.5] * 4 == pytest.approx([x for r in written_at for x in r["lrs"]], rel=1e-6)  # c = M = 2
     written = sum(os.path.getsize(os.path.join(saved, f)) for f in os.listdir(saved))
     want = _full_tables(saved, tmp_path)
@@ -303,7 +299,7 @@ def dense_roundtrip(root: str) -> dict:
     batches = [b for b, _ in zip(random_batches(SPEC, 32, seed=rank), range(6))]
     out = {}
     for name in ("adam", "sgd"):
-        engine = _engine(grid, dense_optimizer=name)
+        engine = engine_config(*JOB, f"optim.dense_optimizer={name}")
         a = Trainer.build(grid, engine, torch.device("cpu"))
         a.run(iter(batches[:4]), 4)
         snap, want = a.snapshot(), a.dense_state()
@@ -332,7 +328,7 @@ def train_and_checkpoint(root: str) -> dict:
     from recgrid.train.trainer import Trainer
 
     rank, grid, comp = dist.get_rank(), Grid(4, 2), _qr_heads()
-    trainer = Trainer.build(grid, _engine(grid, compression=comp), torch.device("cpu"))
+    trainer = Trainer.build(grid, engine_config(*JOB).with_compression(comp), torch.device("cpu"))
     trainer.run(iter(synthetic_batches(SPEC, 32, 6, seed=5, stream=rank + 1, compression=comp)), 6)
     path = Checkpointer(root=root).save(trainer)
     raw = synthetic_batches(SPEC, 64, 1, seed=9, stream=rank + 1)[0]

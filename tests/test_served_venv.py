@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recgrid.launch.local import free_port
 from test_served_model import QR, client_frame, eval_probabilities, random_model, raw_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,12 +48,6 @@ def install_args() -> list[str]:
     if any(n.startswith("torch-") for p in links if os.path.isdir(p) for n in os.listdir(p)):
         return [a for p in links for a in ("--find-links", p)]
     return ["--torch-backend", "cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port: int, body: str) -> tuple[int, dict]:

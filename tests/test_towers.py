@@ -17,19 +17,14 @@ from recgrid.engine.grid import Grid
 from recgrid.engine.towers import TowerConfig, TowerError, TowerLayout, strided_partition
 from recgrid.launch.local import run_local
 from recgrid.launch.smoke import random_batches
+from helpers import engine_config
 
 SPEC = get_spec("tiny")
 W = 2  # workers per emulated host
 STEPS = 20
 
 
-def _config(towers=None, sync_every=5, spec=SPEC, arch="dlrm", sharding="auto"):
-    from recgrid.engine.model import ModelSpec
-    from recgrid.config import defaults
-    from recgrid.trainer_config import EngineConfig
-
-    return EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(arch=arch), lr=0.05, sync_every=sync_every, seed=7, towers=towers,
-                        sharding=sharding)
+JOB = ("train.seed=7", "grid.sync_every=5")  # the towers' engine: `engine_config(*JOB, ...)`
 
 
 def _dense(model) -> dict:
@@ -96,8 +91,8 @@ def sptt_equals_flat(steps: int) -> dict:
         towers = TowerConfig.strided(2)
         # the flat engine (TorchRec's DMP, ShardingEnv2D when M = 2) on the towers' plan, with the
         # towers' initial tables copied in
-        plan = tower_plan(SPEC, _config().model, towers, grid, "cpu")
-        flat = Trainer.build(grid, _config(), torch.device("cpu"), plan=plan)
+        plan = tower_plan(SPEC, engine_config(*JOB).model, towers, grid, "cpu")
+        flat = Trainer.build(grid, engine_config(*JOB), torch.device("cpu"), plan=plan)
         with torch.no_grad():
             for (table, r0, c0), shard in _torchrec_shards(flat.model).items():
                 f = SPARSE_NAMES.index(table[2:])
@@ -105,10 +100,11 @@ def sptt_equals_flat(steps: int) -> dict:
                                                                                    shard.shape[1])))
         out[M] = {"torchrec": _run(flat, single)}
         for exchange in ("flat", "sptt"):
-            t = Trainer.build(grid, _config(TowerConfig.strided(2, exchange=exchange)), torch.device("cpu"))
+            t = Trainer.build(grid, engine_config(*JOB, towers=TowerConfig.strided(2, exchange=exchange)),
+                              torch.device("cpu"))
             out[M][exchange] = _run(t, single)
         for exchange in ("flat", "sptt"):  # multi-hot: row-wise shards, the intra-tower reduce-scatter
-            t = Trainer.build(grid, _config(TowerConfig.strided(2, exchange=exchange), spec=multi_spec),
+            t = Trainer.build(grid, engine_config(*JOB, towers=TowerConfig.strided(2, exchange=exchange), spec=multi_spec),
                               torch.device("cpu"))
             out[M][f"multi_{exchange}"] = _run(t, multi)
         out[M]["plan"] = {k: v.sharding_type for k, v in flat.plan.plan["model.sparse_arch.embedding_bag_collection"].items()}
@@ -173,8 +169,8 @@ def exchange_figures(steps: int) -> dict:
     for name, towers in runs.items():
         # the flat run: table-wise, whose pooled all-to-all spans the sharding group (TorchRec's
         # table-row-wise, which "auto" picks across hosts, exchanges in two levels; not metered)
-        t = Trainer.build(grid, _config(towers, sync_every=1, arch="dcn" if name == "dcn" else "dlrm",
-                                        sharding="table_wise"), torch.device("cpu"))
+        t = Trainer.build(grid, engine_config(*JOB, "grid.sync_every=1", f"model.arch={'dcn' if name == 'dcn' else 'dlrm'}",
+                                              "model.sharding=table_wise", towers=towers), torch.device("cpu"))
         modules = [m for m in t.model.modules() if type(m).__name__.endswith("TowerModule")]
         before = [p.detach().clone() for m in modules for p in m.parameters()]
         losses = t.run(iter(batches), steps).losses
@@ -183,7 +179,7 @@ def exchange_figures(steps: int) -> dict:
                      "snapshot": None}
         if name == "dlrm":  # snapshots of a tower model: restore into a fresh trainer, bit for bit
             snap = t.snapshot()
-            b = Trainer.build(grid, _config(towers, sync_every=1), torch.device("cpu"))
+            b = Trainer.build(grid, engine_config(*JOB, "grid.sync_every=1", towers=towers), torch.device("cpu"))
             b.load_snapshot(snap, None)
             out[name]["snapshot"] = (all(torch.equal(x, y) for x, y in zip(b.shard_tensors(), snap.shard))
                                      and all(torch.equal(v, b.dense_state()[k]) for k, v in snap.dense.items()))
