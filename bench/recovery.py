@@ -374,11 +374,17 @@ def main() -> None:
     old = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     results: dict = old.get("results", {})
 
+    command = " ".join(["bench/recovery.py", *sys.argv[1:]])
+
     def save() -> dict:
-        """Write what has been measured so far (a case that fails keeps the ones before it)."""
+        """Write what has been measured so far (a case that fails keeps the ones before it). A run of
+        some models or sources replaces only those entries; each keeps the command that made it."""
         for r in results.values():  # the restart path's figures: that path is gone
             for key in ("peer", "storage", "peer_over_storage_restore"):
                 r.pop(key, None)
+            for entry in r.values():
+                if isinstance(entry, dict):
+                    entry.setdefault("command", command)
         out = {
             "benchmark": "recovery",
             "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",

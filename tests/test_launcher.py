@@ -255,7 +255,7 @@ def test_a_job_whose_host_cannot_hold_its_snapshots_is_refused_before_any_worker
     assert need > free and "train.snapshot_every_syncs=0" in r.error
 
 
-# ---- chaos (issue 7, acceptance 2) ------------------------------------------------------------------
+# ---- the M=2 job's QR head cache --------------------------------------------------------------------
 def test_m2_jobs_head_cache_is_counted_once_and_recorded(two_runs, tmp_path):
     """The QR job's head ids: one count over the training files by the driver, recorded as an
     artifact (every sharding group's workers get them from the driver), and its embedding bytes

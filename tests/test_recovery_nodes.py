@@ -288,7 +288,7 @@ def test_inter_host_groups_get_hosts_of_their_own_and_a_host_loss_leaves_one_tra
 
 
 def test_a_sharding_group_joins_when_room_comes_and_leaves_when_its_node_is_drained(cluster, tmp_path, monkeypatch):
-    """torchft (the derived default for this elastic job): started with room for one sharding group,
+    """An elastic job (every job runs under torchft): started with room for one sharding group,
     the job trains at M=1 and grows to M=2 when a node is added, the new group healed from the live
     one; then `ray drain-node` with a deadline on the new node: that group leaves right after a
     replica sync (what it trained is in the other group's tables; its data cursor is noted), the

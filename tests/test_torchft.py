@@ -9,9 +9,8 @@ live peer group (bit for bit what the peer sent) and rejoins at the current step
 metric once per step. The row audit: each global rank's part of the epoch plan is trained as a
 prefix with no row skipped (a rebuilt group reads on from its own cursor), and only the batches
 a group had consumed but not committed when it broke are read again.
-When no live group is left (T=2, M=1: one sharding group), the rebuilt group restores the storage
-checkpoint its live predecessor wrote, and every row after it is read again, none skipped.
-Invalid torchft configs fail before any worker starts, with a sentence naming the field.
+When no live group is left (T=4, M=1: one sharding group of four), the rebuilt group restores the
+hosts' in-memory snapshot bit for bit, and every row after it is read again, none skipped.
 """
 
 import os
