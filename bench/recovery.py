@@ -215,8 +215,10 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
             # seconds a worker spent writing storage checkpoints over the job (the phase's per-interval seconds, summed)
             ckpt = sum(m.value for m in client.get_metric_history(result.run_id, "time/checkpoint_s"))
             snap = sum(m.value for m in client.get_metric_history(result.run_id, "time/snapshot_s"))
+            counts = client.get_metric_history(result.run_id, "snapshot/count")
+            snapshots = int(max((m.value for m in counts), default=0))
             jobs[name].append({"wall_s": round(wall, 2), "median_qps": round(statistics.median(qps), 1),
-                               "checkpoint_s": round(ckpt, 3), "snapshot_s": round(snap, 3),
+                               "checkpoint_s": round(ckpt, 3), "snapshot_s": round(snap, 3), "snapshots": snapshots,
                                "holder_bytes_max": result.metrics.get("holders/bytes_max"),
                                "eval_ne": round(result.metrics["eval/ne"], 5),
                                "load_avg_1m": round(os.getloadavg()[0], 2)})

@@ -68,8 +68,10 @@ class Reporter:
                        "recovery/steps_lost": last.get("steps_lost", 0)}, step)
 
     def step(self, step: int) -> None:
-        """`FitHooks.after_step`: the throttled heartbeat."""
-        self.heartbeat.maybe_beat(step)
+        """`FitHooks.after_step`: the throttled heartbeat, at sync steps only (no Ray call on the
+        other steps' path; a logging step beats in `log`)."""
+        if sync_step(step, self.job.engine.sync_every):
+            self.heartbeat.maybe_beat(step)
 
     def log_event(self, count: int, event: dict[str, Any], step: int, timestamp_ms: int | None = None) -> None:
         """Recovery number `count` into the run: its metrics (at `step`, and `timestamp_ms` when given:
