@@ -70,8 +70,7 @@ class ModelConfig:
     """How tables are sharded over the L workers of a sharding group; "auto" lets recgrid's planner choose per
     table: the search `recgrid plan` runs, priced for the device the job runs on (published GPU figures on
     GPUs, measured CPU figures on CPU workers; `recgrid plan --config JOB.yaml` prints the plan a job gets); a
-    named type is TorchRec's planner restricted to it. Elastic jobs with L > 1 cannot use table_row_wise or
-    grid_shard (auto leaves them out)."""
+    named type is TorchRec's planner restricted to it."""
     row_wise_exchange: Literal[ROW_WISE_EXCHANGES] = "dense"
     """How row-wise shards return their pooled partial sums to the workers that own the samples: "dense"
     (TorchRec's reduce-scatter, a partial sum for every bag, zeros included) or "sparse" (SRP: each shard
