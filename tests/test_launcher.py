@@ -601,18 +601,22 @@ def test_a_ray_job_and_the_local_launcher_train_the_same_tables(tmp_path, shared
     tables and moments on every global rank. Compared as each tensor's sum to 1e-6, not bit for bit:
     the dense gradients are averaged in a different order (the live groups' mean, then the group's,
     against DDP's one all-reduce), so the dense part, and through it the rows' updates, differ in
-    their last bits."""
+    their last bits. The same job's workers count their calls of the job's actors and of MLflow by
+    step (`train.audit`, issue 49): none on the steps that are neither sync (5, 10) nor log steps."""
     from faults import workers_of
     from recgrid.launch.local import run_local
     from recgrid.launch.ray import run_job
     from recgrid.train.job import TABLE_DIGESTS_ENV
 
+    from recgrid.train.audit import CALL_AUDIT_ENV
+
     monkeypatch.setenv(TABLE_DIGESTS_ENV, "1")
+    monkeypatch.setenv(CALL_AUDIT_ENV, "1")
     monkeypatch.setenv("RECGRID_RUNS_DIR", str(tmp_path / "runs"))
     cfg = load_config(REPO / "jobs/local_demo.yaml", [
         f"data.train={tmp_path}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=4000",
         "grid.world_size=2", "grid.num_groups=2", "grid.sync_every=5", "train.max_steps=10",
-        "train.batch_size=64", "train.log_every=5", "train.eval_every=0", "train.checkpoint_every=0",
+        "train.batch_size=64", "train.log_every=10", "train.eval_every=0", "train.checkpoint_every=0",
         "tracking.log_model=false", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         "tracking.experiment=test-one-sync", *SIDE_BY_SIDE])
     result = run_job(cfg, summary=False)
@@ -623,3 +627,8 @@ def test_a_ray_job_and_the_local_launcher_train_the_same_tables(tmp_path, shared
     for r in (0, 1):
         assert ray_sums[r] == pytest.approx(local_sums[r], rel=1e-6, abs=1e-9), r
     assert ray_sums[0] == ray_sums[1]  # after the last sync the two sharding groups hold the same tables
+    for r, w in workers_of({"attempts": result.attempts}).items():
+        for kind, by_step in w["final_calls"].items():
+            between = {int(step): n for step, n in by_step.items() if int(step) in (1, 2, 3, 4, 6, 7, 8, 9)}
+            assert not between, (r, kind, by_step)
+        assert sum(w["final_calls"]["ray"].values()) > 0  # the audit saw the worker's calls (its start, syncs, end)

@@ -399,6 +399,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from recgrid.trainer_config import EngineConfig, LoopConfig
     from recgrid.train.entry import group_worker, pack
     from recgrid.train.recovery.peers import Lighthouse, bind_host
+    from recgrid.train.audit import CALL_AUDIT_ENV
     from recgrid.train.job import TABLE_DIGESTS_ENV, WorkerJob
 
     spec = config.dataset_spec()
@@ -446,6 +447,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             min_groups=config.min_groups, start_groups=runs.start_groups(placeable_groups(config)),
             log_model=config.tracking.log_model and config.model.towers is None,  # towers: no checkpoint, no model
             table_digests=os.environ.get(TABLE_DIGESTS_ENV) == "1",
+            call_audit=os.environ.get(CALL_AUDIT_ENV) == "1",
         )
 
         def run_config(name: str) -> Any:

@@ -44,3 +44,4 @@ class WorkerJob:
     start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)
     log_model: bool  # the writing group ends the job with a checkpoint of its final step (the driver logs the model)
     table_digests: bool = False  # every worker notes checksums of its tables (tests only: TABLE_DIGESTS_ENV)
+    call_audit: bool = False  # every worker counts its actor and MLflow calls by step (tests only: train.audit)

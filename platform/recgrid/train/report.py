@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from recgrid.engine.device import peak_memory_mb
 from recgrid.engine.sync import sync_step
@@ -114,10 +114,11 @@ class WarmTracker:
     """The job's MLflow run, attached in a background thread when `warm`, for a worker that may take
     over the logging mid-job; `get()` gives it (attached then if it was not warmed or that failed)."""
 
-    def __init__(self, run_id: str | None, tracking_uri: str | None, warm: bool) -> None:
+    def __init__(self, run_id: str | None, tracking_uri: str | None, warm: bool,
+                 wrap: Callable[[Any], Any] | None = None) -> None:
         import threading
 
-        self.run_id, self.tracking_uri = run_id, tracking_uri
+        self.run_id, self.tracking_uri, self.wrap = run_id, tracking_uri, wrap
         self.tracker: Any = None
         self._thread = threading.Thread(target=self._warm, name="recgrid-tracker", daemon=True) \
             if warm and run_id else None
@@ -139,7 +140,7 @@ class WarmTracker:
             self._thread = None
         if self.tracker is None and self.run_id:
             self.tracker = self._attach()
-        return self.tracker
+        return self.tracker if self.wrap is None else self.wrap(self.tracker)
 
 
 class GroupReport:

@@ -14,6 +14,7 @@ last sync (`train.recovery.membership.leave_at_drain`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -24,6 +25,7 @@ from recgrid.engine.device import pin_batches, worker_device
 from recgrid.engine.grid import Grid
 from recgrid.logs import quiet_libraries
 from recgrid.tracking import start_system_metrics, stop_system_metrics
+from recgrid.train.audit import CallAudit
 from recgrid.train.checkpoint import Checkpointer
 from recgrid.train.control import StopPoll
 from recgrid.train.job import WorkerJob
@@ -85,6 +87,9 @@ def train_group_worker(cfg: dict) -> None:
     import ray
 
     job: WorkerJob = cfg["job"]
+    audit = CallAudit() if job.call_audit else None
+    if audit is not None:  # the test of the step's path (train.audit): every actor call counted by step
+        job = dataclasses.replace(job, control=audit.actor(job.control), recovery=audit.actor(job.recovery))
     ctx, device = _start_worker(job)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every round at INFO
     # torchft logs a peer's death as a traceback; the component says it in one line
@@ -111,11 +116,14 @@ def train_group_worker(cfg: dict) -> None:
     # this worker takes over the MLflow logging if the logging group fails: its tracker is attached
     # ahead (MLflow's import and store: a second or more), so the takeover does not hold up the group
     # while it trains on alone (a replacement skips it: its start is the recovery's critical path)
-    tracker = WarmTracker(job.run_id, job.tracking_uri, s == 0 and not replacement)
+    tracker = WarmTracker(job.run_id, job.tracking_uri, s == 0 and not replacement,
+                          wrap=audit.tracker if audit is not None else None)
     before = ray.get(control.group_status.remote(g)) if replacement else {}  # the group's last commit before it failed
     # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group),
     # in the device's loop (TorchRec's pipeline on CUDA, whose optimizer step is the round's commit)
     trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan)
+    if audit is not None:
+        audit.step_of = lambda: trainer.state.step
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
     report = GroupReport(job, trainer, heal, coords, attempt, replacement, attempt_info,
                          metrics_exporter(job, rank), before, tracker)
@@ -194,5 +202,7 @@ def train_group_worker(cfg: dict) -> None:
     logger = report.report
     if logger is not None and logger.tracker is not None:  # Ray Data's execution stats of the logging worker's streams
         logger.tracker.log_text(stats_text(data, eval_data), "data/ray_data_stats.txt")
+    if audit is not None:
+        control.note.remote(attempt, rank, {"final_calls": audit.record()})
     report.finish()
     ray.get(control.finished.remote(trainer.state.step, trainer.interrupted))  # every live worker: the same
