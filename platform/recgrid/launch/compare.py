@@ -43,7 +43,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from recgrid.config import ConfigError, JobConfig, load_config
+from recgrid.launch.ray import run_job
 from recgrid.launch.report import say
+from recgrid.plan.report import mix_text
+from recgrid.tracking import Tracker
 
 # the table's columns: (row key, header, format, how it is compared with the reference: "pct" =
 # percent change, "pp" = difference in percentage points)
@@ -145,9 +148,6 @@ def plan_sweep(config_path: str | Path, groups: Sequence[int], sync_every: Seque
 def run_compare(variants: list[Variant], config_path: str | Path = "") -> CompareResult:
     """Run the configurations one after another on one Ray cluster, each as a child run of one
     parent run; print and store the table. Returns the parent run and the table's rows."""
-    from recgrid.launch.ray import run_job
-    from recgrid.tracking import Tracker
-
     t0 = time.perf_counter()
     base = variants[0].config
     T = base.grid.world_size
@@ -241,8 +241,6 @@ def ran_sharding(client: Any, run_id: str | None) -> str:
     """What a configuration ran: its recorded plan's (`sharding_plan.json`) sharding types by count,
     e.g. "table_wise 26"; "" when the run recorded none."""
     from mlflow.exceptions import MlflowException
-
-    from recgrid.plan.report import mix_text
 
     if not run_id:
         return ""

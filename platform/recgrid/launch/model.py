@@ -39,6 +39,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from recgrid.config import load_config
+from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES
+from recgrid.data.transforms import MULTI_HOT_SEED
+from recgrid.engine.unsharded import served_layout
+from recgrid.launch.report import say
+from recgrid.launch.unshard import evaluate_files, from_checkpoint, from_record, model_spec, table_shapes
+from recgrid.logs import libraries_quiet
+from recgrid.tracking import private_tree, resolve_tracking_uri
+from recgrid.train.checkpoint import checkpoint_step, is_complete
+
 SERVED_CODE = Path(__file__).with_name("served.py")
 TRANSFORMS_CODE = Path(__file__).resolve().parents[1] / "data" / "transforms.py"
 TRANSFORMS_NAME = "recgrid_transforms.py"  # its name in a model's code/ (`launch.served.TRANSFORMS`)
@@ -73,8 +83,6 @@ def example_rows() -> Any:
     import numpy as np
     import pandas as pd
 
-    from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES
-
     return pd.DataFrame({**{n: [1, np.nan if i == 0 else 3] for i, n in enumerate(DENSE_NAMES)},
                          **{n: ["68fd1e64", None if i == 0 else "80e26c9b"] for i, n in enumerate(SPARSE_NAMES)}})
 
@@ -85,7 +93,8 @@ def signature() -> Any:
     from mlflow.models import ModelSignature
     from mlflow.types.schema import AnyType, ColSpec, Schema
 
-    from recgrid.data.specs import DENSE_NAMES, SPARSE_NAMES
+    # lazy: launch.served defines an MLflow PythonModel, and MLflow warns on stderr when one is defined;
+    # importing it here, where the callers quiet the libraries, keeps that warning off every command's start
     from recgrid.launch.served import OUTPUT
 
     return ModelSignature(Schema([ColSpec(AnyType(), n) for n in (*DENSE_NAMES, *SPARSE_NAMES)]),
@@ -96,10 +105,6 @@ def model_files(model: Any, directory: str) -> dict[str, Any]:
     """Write the model's artifacts and code into `directory`; returns the arguments of MLflow's
     pyfunc `save_model` / `log_model` that make the model of them."""
     import torch
-
-    from recgrid.data.transforms import MULTI_HOT_SEED
-    from recgrid.engine.unsharded import served_layout
-    from recgrid.launch.unshard import model_spec
 
     spec = model_spec(model)
     if spec.multi_hot and max(spec.table_rows) >= 1 << 31:
@@ -122,8 +127,6 @@ def save_model_dir(model: Any, out: str) -> None:
     0700, its files 0600."""
     import mlflow.pyfunc
 
-    from recgrid.tracking import private_tree
-
     with tempfile.TemporaryDirectory(prefix="recgrid-model-") as staging:
         mlflow.pyfunc.save_model(out, **model_files(model, staging))
     private_tree(out)
@@ -135,10 +138,6 @@ def log_job_model(config: Any, tracker: Any, status: dict[str, Any]) -> Any:
     step (the final evaluation's metrics linked to it) and, with `tracking.register_as`, a
     registered model version. Returns MLflow's `ModelInfo`, or None when the job ended without
     a checkpoint of its final step (interrupted, or every group left at a drain)."""
-    from recgrid.launch.report import say
-    from recgrid.train.checkpoint import checkpoint_step
-    from recgrid.launch.unshard import from_checkpoint
-
     if config.model.towers is not None:
         say("model: not logged: a Disaggregated Multi-Tower model (model.towers) has no unsharded form yet")
         return None
@@ -167,10 +166,6 @@ def read_model_dir(path: str) -> Any:
     writes, weights that are not plain tensors or do not fit the recorded architecture."""
     import torch
     import yaml
-
-    from recgrid.data.transforms import MULTI_HOT_SEED
-    from recgrid.engine.unsharded import served_layout
-    from recgrid.launch.unshard import from_record, model_spec, table_shapes
 
     root = Path(path)
     for dirpath, dirs, files in os.walk(root):
@@ -239,9 +234,6 @@ def read_model_dir(path: str) -> Any:
 
 
 def _checkpoint_model(path: str, config_path: str | None, overrides: list[str]) -> Any:
-    from recgrid.config import load_config
-    from recgrid.launch.unshard import from_checkpoint
-
     if not config_path:
         raise SystemExit(f"recgrid: {path} is a storage checkpoint: give the config of the job that wrote it "
                          f"(--config JOB.yaml): its dataset spec, model and compression")
@@ -254,9 +246,6 @@ def load_model(ref: str, config_path: str | None = None, overrides: list[str] | 
     """The `UnshardedDLRM` of `ref`: a storage checkpoint directory (with the job's config), an MLflow
     model directory, an MLflow model URI, or a run id (its logged model "model"), read as data."""
     import mlflow
-
-    from recgrid.tracking import resolve_tracking_uri
-    from recgrid.train.checkpoint import is_complete
 
     if os.path.isdir(ref) and is_complete(ref):
         return _checkpoint_model(ref, config_path, overrides or [])
@@ -272,8 +261,6 @@ def load_model(ref: str, config_path: str | None = None, overrides: list[str] | 
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from recgrid.logs import libraries_quiet
-
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         print(f"recgrid export: {args.out} exists and is not an empty directory: nothing written", file=sys.stderr)
         return 2
@@ -292,9 +279,6 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from recgrid.logs import libraries_quiet
-    from recgrid.launch.unshard import evaluate_files, model_spec
-
     probabilities: list | None = [] if args.predictions else None
     try:
         with libraries_quiet():

@@ -20,7 +20,9 @@ import json
 import math
 from typing import Any, Collection, Mapping, Sequence
 
+from recgrid.data.stream import DEFAULT_NUM_CPUS_PER_TASK
 from recgrid.engine.grid import GridError
+from recgrid.train.recovery.holders import ring_keeper
 
 GROUP_RUN_PLACEMENT = {"host-local": "SPREAD", "inter-host": "PACK"}
 """Ray placement strategy of one sharding group's run, per layout, for runs that are not pinned."""
@@ -110,8 +112,6 @@ def holder_bytes(pinned: Mapping[int, Sequence[str]], position_bytes: Sequence[i
     """What each host's snapshot holder keeps at most: `generations` copies of its own shard
     positions (`position_bytes[s]`, weights and optimizer states) and of the positions of the host
     whose copy it keeps (the ring of `train.recovery.holders.ring_keeper`)."""
-    from recgrid.train.recovery.holders import ring_keeper
-
     here = positions_by_node(pinned)
     own = {n: sum(position_bytes[s] for s in ps) for n, ps in here.items()}
     need = dict(own)
@@ -198,8 +198,6 @@ def record_ranks(run_id: str | None, tracking_uri: str | None, attempts: list[di
 def check_room_for_data(free_cpus: float, what: str) -> None:
     """Refuse a cluster whose free CPUs cannot run one Ray Data read task: every batch comes out of
     those tasks, so training would wait for its data forever. `what` says who holds the CPUs."""
-    from recgrid.data.stream import DEFAULT_NUM_CPUS_PER_TASK
-
     if free_cpus + 1e-9 < DEFAULT_NUM_CPUS_PER_TASK:
         raise GridError(
             f"{what}, leaving {free_cpus:g} CPU free, less than the {DEFAULT_NUM_CPUS_PER_TASK:g} CPU a Ray Data "

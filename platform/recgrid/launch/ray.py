@@ -38,10 +38,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recgrid.cluster import connect
 from recgrid.config import ConfigError, JobConfig, load_config
+from recgrid.data.specs import SPARSE_NAMES, embedding_bytes
+from recgrid.data.stream import head_ids, scan_inputs
+from recgrid.data.synth import ensure_synth
+from recgrid.engine.device import device_memory_bytes, device_type_for, process_group_backend, use_gpu_default
+from recgrid.engine.model import build_model
+from recgrid.engine.sharding import make_plan, plan_record, shard_position_bytes
+from recgrid.engine.towers import tower_plan
+from recgrid.launch.model import log_job_model
+from recgrid.launch.placement import (GROUP_RUN_PLACEMENT, check_holder_room, check_room_for_data, cluster_slots,
+                                      holder_bytes, label_selectors, positions_by_node, record_ranks)
 from recgrid.launch.report import say, summary_table
 from recgrid.launch.runs import (Console, HolderMeter, JobRuns, end_workers, node_room, placer, training_over,
                                  worker_resources, workers_finishing)
+from recgrid.logs import libraries_quiet
+from recgrid.plan.planner import job_sharding_plan
+from recgrid.tracking import Tracker
+from recgrid.train.control import STOP_NOW, FailureClock, JobControl
+from recgrid.train.entry import group_worker, pack
+from recgrid.train.audit import CALL_AUDIT_ENV
+from recgrid.train.job import TABLE_DIGESTS_ENV, WorkerJob
+from recgrid.train.recovery.coordinator import RecoveryCoordinator
+from recgrid.train.recovery.holders import KEEP_GENERATIONS
+from recgrid.train.recovery.peers import Lighthouse, bind_host
+from recgrid.train.recovery.slots import remove_snapshot_files
+from recgrid.trainer_config import EngineConfig, LoopConfig
 
 
 @dataclass(frozen=True)
@@ -142,8 +165,6 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
     `on_start(actors)`, if given, is called once the job's actors exist (`JobActors`: tests and
     benchmarks watch the job and ask it to stop through them).
     """
-    from recgrid.tracking import Tracker
-
     t0 = time.perf_counter()
     grid = config.build_grid()
     tracker = Tracker(config.tracking.experiment, config.tracking.tracking_uri)
@@ -183,9 +204,6 @@ def run_job(config: JobConfig, on_start: Any = None, parent_run_id: str | None =
                          status.get("events", []), status.get("attempts", []))
     tracker.log_interval_medians(config.train.max_steps)
     if config.tracking.log_model:
-        from recgrid.launch.model import log_job_model
-        from recgrid.logs import libraries_quiet
-
         try:
             with libraries_quiet():
                 log_job_model(config, tracker, status)
@@ -218,8 +236,6 @@ def ensure_data(config: JobConfig) -> None:
     into missing or empty directories only (`data.synth.ensure_synth`: a glob that matches nothing
     beside other files is an error); eval rows are a held-out draw (another stream) of the same
     planted model."""
-    from recgrid.data.synth import ensure_synth
-
     d = config.data
     if not d.synth_if_missing:
         return
@@ -236,8 +252,6 @@ def ensure_data(config: JobConfig) -> None:
 def connect_ray(config: JobConfig) -> None:
     """Join $RAY_ADDRESS if set, else start recgrid's own local cluster sized for the job
     (`recgrid.cluster`: never a stale or unrelated local cluster)."""
-    from recgrid.cluster import connect
-
     # RUST_LOG: torchft's lighthouse and quorum servers log every round at INFO
     env_vars = {"PYTHONWARNINGS": "ignore", "TORCHREC_LOG_LEVEL": "ERROR", "RUST_LOG": "warn"}
     if os.environ.get("RAY_ADDRESS"):
@@ -264,8 +278,6 @@ def placeable_groups(config: JobConfig) -> int:
     """How many of the job's sharding groups the cluster's nodes hold (from what each alive node
     offers, `launch.placement.cluster_slots`), at most M: the first quorum waits for these, and a
     group with no room joins when there is."""
-    from recgrid.launch.placement import cluster_slots
-
     grid = config.build_grid()
     return min(grid.num_groups, sum(cluster_slots(worker_resources(config)).values()) // grid.group_size)
 
@@ -275,8 +287,6 @@ def check_cluster(config: JobConfig) -> None:
     (`Grid.check_cluster`, from what each alive node offers); the error names the layout, the
     nodes and what to change."""
     import ray
-
-    from recgrid.launch.placement import check_room_for_data, cluster_slots
 
     config.build_grid().check_cluster(cluster_slots(worker_resources(config)), config.grid.min_world_size)
     total = sum(n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive"))
@@ -304,18 +314,9 @@ def job_plan(config: JobConfig, engine: Any = None) -> Any:
     restricted to it (`engine.sharding.make_plan`); towers place each tower's tables in their tower.
     `engine`: the job's EngineConfig when the driver has completed it (a compressed job's head ids);
     None = `EngineConfig.from_job(config)`."""
-    from recgrid.engine.device import device_type_for
-    from recgrid.engine.model import build_model
-    from recgrid.engine.sharding import make_plan
-    from recgrid.plan.planner import job_sharding_plan
-
-    from recgrid.trainer_config import EngineConfig
-
     engine = engine or EngineConfig.from_job(config)
     grid = config.build_grid()
     if engine.towers is not None:  # DMT: each tower's tables inside its tower (engine.towers)
-        from recgrid.engine.towers import tower_plan
-
         return tower_plan(engine.spec, engine.model, engine.towers, grid, device_type_for(config.train.use_gpu))
     model = build_model(engine.spec, engine.model, seed=engine.seed)
     hbm_cap = worker_gpu_memory() if config.train.use_gpu else None
@@ -335,9 +336,6 @@ def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
         return compression
     import numpy as np
 
-    from recgrid.data.specs import SPARSE_NAMES
-    from recgrid.data.stream import head_ids
-
     t0 = time.perf_counter()
     heads = head_ids(train_inputs, config.dataset_spec(), compression)
     compression = compression.with_heads(heads)
@@ -354,8 +352,6 @@ def job_compression(config: JobConfig, train_inputs: Any, tracker: Any) -> Any:
 def model_embedding_bytes(engine: Any) -> int:
     """`memory/embedding_bytes`: bytes of the embedding tables of one model copy (a compressed job's
     compressed tables, head tables included) at the tables' data type."""
-    from recgrid.data.specs import embedding_bytes
-
     m = engine.model
     return embedding_bytes(engine.spec, m.resolved_dim(engine.spec), m.embedding_dtype, m.compression)
 
@@ -364,8 +360,6 @@ def worker_gpu_memory(timeout_s: float = 120.0) -> int:
     """Bytes of memory of one of the cluster's GPUs (the planner's `hbm_cap`): this process's own
     GPU, or, on a driver without one (a KubeRay head), read by a one-GPU Ray task."""
     import ray
-
-    from recgrid.engine.device import device_memory_bytes, use_gpu_default
 
     if use_gpu_default():
         return device_memory_bytes()
@@ -386,21 +380,6 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from recgrid.data.stream import scan_inputs
-    from recgrid.engine.sharding import plan_record
-    from recgrid.train.control import STOP_NOW, FailureClock, JobControl
-    from recgrid.launch.placement import (GROUP_RUN_PLACEMENT, check_holder_room, holder_bytes, label_selectors,
-                                         positions_by_node, record_ranks)
-    from recgrid.train.recovery.holders import KEEP_GENERATIONS
-    from recgrid.engine.sharding import shard_position_bytes
-    from recgrid.train.recovery.coordinator import RecoveryCoordinator
-    from recgrid.train.recovery.slots import remove_snapshot_files
-    from recgrid.trainer_config import EngineConfig, LoopConfig
-    from recgrid.train.entry import group_worker, pack
-    from recgrid.train.recovery.peers import Lighthouse, bind_host
-    from recgrid.train.audit import CALL_AUDIT_ENV
-    from recgrid.train.job import TABLE_DIGESTS_ENV, WorkerJob
 
     spec = config.dataset_spec()
     grid = config.build_grid()
@@ -637,8 +616,6 @@ def torch_config(config: JobConfig) -> Any:
     """Ray Train's torch backend of every run of the job: one process group over the run's
     workers (one sharding group's L), gloo on CPUs and NCCL on GPUs."""
     from ray.train.torch import TorchConfig
-
-    from recgrid.engine.device import device_type_for, process_group_backend
 
     return TorchConfig(backend=process_group_backend(device_type_for(config.train.use_gpu)))
 

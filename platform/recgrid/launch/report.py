@@ -9,6 +9,7 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
+from recgrid.engine.device import accelerator_names
 from recgrid.tracking import redact_uri, stack_versions
 
 
@@ -23,8 +24,6 @@ def machine_info() -> dict:
         "versions": stack_versions(),  # python, torch, torchrec, fbgemm_gpu, ray, mlflow
     }
     try:
-        from recgrid.engine.device import accelerator_names
-
         info["cuda_devices"] = accelerator_names()
     except Exception:  # noqa: BLE001 - benchmarks must still write their JSON
         info["cuda_devices"] = []

@@ -12,8 +12,10 @@ import time
 from typing import Any
 
 from recgrid.config import JobConfig
+from recgrid.launch.placement import host_local_nodes, inter_host_nodes, worker_nodes
 from recgrid.launch.report import say
 from recgrid.train.control import LazyActor
+from recgrid.train.recovery.slots import shm_free
 
 HOLDER_METER_S = 10.0  # how often the driver logs what the hosts' snapshot holders keep
 # Ray Train's controller polls its worker group every 2 s by default (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
@@ -36,8 +38,6 @@ def placer(config: JobConfig) -> Any:
     (`launch.placement.host_local_nodes`), inter-host each on nodes of its own
     (`launch.placement.inter_host_nodes`). None: the job is not pinned (one node holds workers)."""
     import ray
-
-    from recgrid.launch.placement import host_local_nodes, inter_host_nodes, worker_nodes
 
     grid, per_worker = config.build_grid(), worker_resources(config)
     if len(worker_nodes(ray.nodes(), per_worker)) <= 1:
@@ -97,8 +97,6 @@ class JobRuns:
         """Where an unpinned job's shard positions are, for its holders' memory: on the one node
         that holds workers ({} where that is unknown: an elastic host-local job not pinned yet)."""
         import ray
-
-        from recgrid.launch.placement import worker_nodes
 
         nodes = worker_nodes(ray.nodes(), per_worker)
         if self.place is not None or len(nodes) != 1:
@@ -273,8 +271,6 @@ def node_room(nodes: list[str]) -> dict[str, dict[str, Any]]:
     /dev/shm, None without it) and from Ray (its object store's size, its address)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from recgrid.train.recovery.slots import shm_free
 
     info = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
     probe = ray.remote(num_cpus=0)(shm_free)

@@ -12,18 +12,21 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from recgrid.config import defaults
+from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec, get_spec
 from recgrid.engine.grid import Grid, GridError
-from recgrid.launch.local import run_local
 from recgrid.engine.model import ModelSpec
-from recgrid.data.specs import DatasetSpec, get_spec
+from recgrid.engine.sharding import sharding_summary
+from recgrid.engine.sync import embedding_weights, optimizer_states
+from recgrid.launch.local import run_local
+from recgrid.train.trainer import Trainer, dense_parameters
+from recgrid.trainer_config import EngineConfig
 
 
 def random_batches(spec: DatasetSpec, batch_size: int, seed: int) -> Iterator:
     """Endless random Criteo-shaped batches (one id per feature, skewed towards low ids)."""
     from torchrec import KeyedJaggedTensor
     from torchrec.datasets.utils import Batch
-
-    from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES
 
     g = torch.Generator().manual_seed(seed)
     rows = torch.tensor(spec.table_rows, dtype=torch.float64)
@@ -52,12 +55,6 @@ def peer_max_diff(tensors: list[torch.Tensor], pg: dist.ProcessGroup) -> float:
 
 def smoke_worker(grid: Grid, steps: int, sync_every: int, sharding: str, batch_size: int,
                  moment_scale: float | None, delayed: bool, arch: str, seed: int) -> dict:
-    from recgrid.engine.sync import embedding_weights, optimizer_states
-    from recgrid.engine.sharding import sharding_summary
-    from recgrid.config import defaults
-    from recgrid.train.trainer import Trainer, dense_parameters
-    from recgrid.trainer_config import EngineConfig
-
     config = EngineConfig.from_job(defaults(), 
         spec=get_spec("tiny"),
         model=ModelSpec(arch=arch),

@@ -13,13 +13,23 @@ import sys
 import time
 from typing import Any
 
+from recgrid.config import defaults
+from recgrid.data.specs import SPARSE_NAMES, SpecError, get_spec
+from recgrid.data.stream import local_batches, scan_inputs
+from recgrid.engine.grid import Grid
+from recgrid.engine.model import ModelSpec
+from recgrid.engine.towers import strided_partition, write_partition
+from recgrid.launch.local import run_local
+from recgrid.plan.feature_clusters import partition_features, size_bounds
+from recgrid.train.checkpoint import Checkpointer
+from recgrid.train.trainer import Trainer
+from recgrid.trainer_config import EngineConfig
+
 
 def pooled_embeddings(data: str, spec_name: str, steps: int, batch_size: int, samples: int, seed: int,
                       checkpoint: str | None = None, embedding_dim: int | None = None) -> Any:
     """Train `steps` steps on `data` (or load `checkpoint`) and return pooled embeddings
     [samples, F, D] of the data's first rows (one worker of the real engine, in a subprocess)."""
-    from recgrid.launch.local import run_local
-
     return run_local(_short_run, 1, data, spec_name, steps, batch_size, samples, seed, checkpoint, embedding_dim,
                      threads_per_worker=1)[0]
 
@@ -30,21 +40,11 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
     import torch
     from torchrec.models.dlrm import SparseArch
 
-    from recgrid.data.specs import get_spec
-    from recgrid.data.stream import local_batches, scan_inputs
-    from recgrid.engine.grid import Grid
-    from recgrid.engine.model import ModelSpec
-    from recgrid.config import defaults
-    from recgrid.train.trainer import Trainer
-    from recgrid.trainer_config import EngineConfig
-
     spec = get_spec(spec_name)
     inputs = scan_inputs(data, spec)
     config = EngineConfig.from_job(defaults(), spec=spec, model=ModelSpec(embedding_dim=embedding_dim), sharding="table_wise", seed=seed)
     trainer = Trainer.build(Grid(1, 1), config, torch.device("cpu"))
     if checkpoint:
-        from recgrid.train.checkpoint import Checkpointer
-
         Checkpointer().load(trainer, checkpoint)
     else:
         def epochs():
@@ -65,10 +65,6 @@ def _short_run(data: str, spec_name: str, steps: int, batch_size: int, samples: 
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from recgrid.data.specs import SPARSE_NAMES, SpecError
-    from recgrid.engine.towers import strided_partition, write_partition
-    from recgrid.plan.feature_clusters import partition_features, size_bounds
-
     t0 = time.perf_counter()
     try:
         size_bounds(len(SPARSE_NAMES), args.towers, args.balance)

@@ -24,13 +24,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-if TYPE_CHECKING:
-    from recgrid.config import JobConfig
-    from recgrid.data.specs import DatasetSpec
-    from recgrid.engine.model import ModelSpec
-    from recgrid.engine.unsharded import UnshardedDLRM
+from recgrid.config import JobConfig
+from recgrid.data.specs import (HEAD, NUM_DENSE, QUOTIENT, REMAINDER, SPARSE_NAMES, Compression, DatasetSpec,
+                                table_layout)
+from recgrid.data.stream import memory_batches
+from recgrid.engine.model import ModelSpec, build_model
+from recgrid.engine.unsharded import QRIds, UnshardedDLRM, UnshardedSparseArch
+from recgrid.train.checkpoint import checkpoint_step, compression_record, is_complete, read_checkpoint
+from recgrid.train.metrics import EvalMetrics, reduce_metrics
+from recgrid.trainer_config import EngineConfig
 
 EVAL_BATCH_ROWS = 8192  # rows per forward of `evaluate_files`
 RECORD_FORMAT = 1  # the layout of `model_record`; a record of another is refused
@@ -39,9 +43,6 @@ RECORD_FORMAT = 1  # the layout of `model_record`; a record of another is refuse
 def checkpoint_compression(path: str, config: "JobConfig") -> Any:
     """The job's QR compression with the head ids the checkpoint at `path` recorded (None: the job
     has none). A compressed job's checkpoint without a record is refused, naming it."""
-    from recgrid.data.specs import SPARSE_NAMES
-    from recgrid.train.checkpoint import compression_record
-
     compression = config.compression()
     if compression is None:
         return None
@@ -64,8 +65,6 @@ def checkpoint_compression(path: str, config: "JobConfig") -> Any:
 def build_unsharded(config: "JobConfig", compression: Any, info: dict[str, Any]) -> "UnshardedDLRM":
     """The job's model, unsharded on the CPU with its tables allocated (weights as built: load
     a checkpoint into it), as an `UnshardedDLRM`."""
-    from recgrid.trainer_config import EngineConfig
-
     engine = EngineConfig.from_job(config).with_compression(compression)
     return unsharded_model(engine.spec, engine.model, info, seed=config.train.seed)
 
@@ -74,10 +73,6 @@ def unsharded_model(spec: "DatasetSpec", model: "ModelSpec", info: dict[str, Any
     """The model of dataset spec `spec` and architecture `model` (its compression with the head ids
     included), unsharded on the CPU with its tables allocated; its `info` is `model_record` plus `info`."""
     import torch
-
-    from recgrid.data.specs import HEAD, NUM_DENSE, QUOTIENT, REMAINDER, SPARSE_NAMES
-    from recgrid.engine.model import build_model
-    from recgrid.engine.unsharded import QRIds, UnshardedDLRM, UnshardedSparseArch
 
     compression = model.compression
     train = build_model(spec, model, seed=seed, tables_device=torch.device("cpu"))
@@ -114,9 +109,6 @@ def model_record(spec: "DatasetSpec", model: "ModelSpec") -> dict[str, Any]:
 def record_architecture(record: dict[str, Any]) -> tuple["DatasetSpec", "ModelSpec"]:
     """The dataset spec and architecture (compression included) a `model_record` names; ValueError
     (or TypeError) for a record that is not one."""
-    from recgrid.data.specs import SPARSE_NAMES, Compression
-    from recgrid.engine.model import ModelSpec
-
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise ValueError(f"not a recgrid model record of format {RECORD_FORMAT}")
     spec = model_spec(record)
@@ -137,8 +129,6 @@ def record_architecture(record: dict[str, Any]) -> tuple["DatasetSpec", "ModelSp
 def table_shapes(record: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """The shape of every embedding table of the model a record names, by table name, computed without
     building the model (`data.specs.table_layout`)."""
-    from recgrid.data.specs import table_layout
-
     spec, model = record_architecture(record)
     c = model.compression
     layout = table_layout(spec, model.resolved_dim(spec), c, c.head_sizes() if c is not None else None)
@@ -154,8 +144,6 @@ def from_record(record: dict[str, Any]) -> "UnshardedDLRM":
 def model_spec(model: Any) -> Any:
     """The dataset spec `model` (an `UnshardedDLRM`, or its record) was trained on (its ids are rows of
     these tables)."""
-    from recgrid.data.specs import DatasetSpec
-
     d = dict((model if isinstance(model, dict) else model.info)["spec"])
     return DatasetSpec(**{**d, "rows": tuple(d["rows"]),
                           "multi_hot_sizes": tuple(d["multi_hot_sizes"]) if d.get("multi_hot_sizes") else None})
@@ -165,8 +153,6 @@ def from_checkpoint(path: str, config: "JobConfig", info: dict[str, Any] | None 
                     say: Callable[[str], None] | None = None) -> "UnshardedDLRM":
     """The model copy of the storage checkpoint at `path`, written by a job of `config` (any T, M,
     L: the tables are read whole), as an `UnshardedDLRM` in this process."""
-    from recgrid.train.checkpoint import checkpoint_step, is_complete, read_checkpoint
-
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete recgrid checkpoint (no .metadata)")
     t0 = time.perf_counter()
@@ -187,9 +173,6 @@ def evaluate_files(model: Any, patterns: str | Sequence[str], spec: Any, batch_r
     read with dataset spec `spec`: `{"ne", "auc", "rows"}`. With `probabilities` (a list), each
     batch's click probabilities are appended to it (float32 arrays, the files' rows in order)."""
     import torch
-
-    from recgrid.data.stream import memory_batches
-    from recgrid.train.metrics import EvalMetrics, reduce_metrics
 
     evaluation = EvalMetrics()
     model.eval()
