@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from recgrid.data.specs import HEAD, QUOTIENT, REMAINDER, SPARSE_NAMES, Compression, DatasetSpec, table_layout
 
 if TYPE_CHECKING:
+    import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 
@@ -77,13 +78,29 @@ def qr_table_configs(spec: DatasetSpec, dim: int, dtype: Any, compression: Compr
     return out
 
 
+def combine_parts(pooled: dict[str, torch.Tensor], parts: Sequence[tuple[str | None, ...]], operation: str,
+                  num_features: int, dim: int) -> torch.Tensor:
+    """The sparse arch's output, [B, F, D], from the tables' pooled embeddings by name: per feature
+    its table's, or for a QR-compressed one h + op(q, r) (h: its head table's, where it has one;
+    op: "mult", "add" or "concat"). `parts[f]`: (table feature name,) or (head or None, q, r)."""
+    import torch
+
+    out = []
+    for part in parts:
+        if len(part) == 1:
+            out.append(pooled[part[0]])  # type: ignore[index]
+            continue
+        head, q_name, r_name = part
+        q, r = pooled[q_name], pooled[r_name]  # type: ignore[index]
+        e = q * r if operation == "mult" else q + r if operation == "add" else torch.cat([q, r], dim=1)
+        out.append(e if head is None else pooled[head] + e)
+    return torch.cat(out, dim=1).reshape(-1, num_features, dim)
+
+
 @functools.lru_cache(maxsize=1)
 def _qr_sparse_arch_class() -> type:
-    """`QRSparseArch`, defined on first use (torch and torchrec are heavy imports)."""
-    import torch
+    """`QRSparseArch`, defined on first use (torchrec is a heavy import)."""
     from torchrec.models.dlrm import SparseArch
-
-    from recgrid.engine.unsharded import combine_parts
 
     class QRSparseArch(SparseArch):
         """DLRM's sparse arch over an EBC of expanded tables: per feature of C1..C26, its table's

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from recgrid.data.specs import Compression
-from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec
+from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, Compression, DatasetSpec
+from recgrid.engine.compression import qr_sparse_arch, qr_table_configs
 
 if TYPE_CHECKING:  # torch and torchrec are heavy; config validation imports ARCHS from here
     import torch
@@ -113,8 +113,6 @@ def build_model(spec: DatasetSpec, model: ModelSpec = ModelSpec(), seed: int = 0
         net = DLRM_DCN(**common, dcn_num_layers=model.dcn_num_layers, dcn_low_rank_dim=model.dcn_low_rank_dim)
     if model.compression is not None:
         from torchrec.modules.embedding_configs import DataType
-
-        from recgrid.engine.compression import qr_sparse_arch, qr_table_configs
 
         tables = qr_table_configs(spec, dim, DataType[model.embedding_dtype.upper()], model.compression)
         net.sparse_arch = qr_sparse_arch(EmbeddingBagCollection(tables=tables, device=tables_device),

@@ -12,6 +12,7 @@ import copy
 import functools
 from typing import TYPE_CHECKING, Any
 
+from recgrid.data.specs import DTYPE_BYTES
 from recgrid.engine.device import device_indices, device_memory_bytes, placement
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.quiet import libraries_quiet
@@ -241,8 +242,6 @@ def shard_position_bytes(plan: "ShardingPlan", group_size: int, dtype: str = "fp
     """Bytes each of the `group_size` shard ranks of a sharding group holds in its fused kernels:
     every shard of the plan placed there, its weights at the tables' data type `dtype` and one
     moment per row (what an in-memory snapshot copies of that shard position)."""
-    from recgrid.data.specs import DTYPE_BYTES
-
     record = plan_record(plan)
     out = [0] * group_size
     for table in record.values():

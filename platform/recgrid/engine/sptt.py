@@ -41,9 +41,10 @@ import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torchrec.models.dlrm import SparseArch
 
-from recgrid.data.specs import SPARSE_NAMES, DatasetSpec
+from recgrid.data.specs import NUM_DENSE, SPARSE_NAMES, DatasetSpec
 from recgrid.engine.exchange import ExchangeMeter
 from recgrid.engine.grid import Grid, GridGroups
+from recgrid.engine.model import build_model
 from recgrid.engine.towers import LocalShard, TowerConfig, TowerError, TowerLayout, shards_by_rank
 
 # ---- collectives with autograd -----------------------------------------------------------------------
@@ -441,14 +442,10 @@ def tower_shards(model: nn.Module) -> dict[tuple[str, int, int], tuple[torch.Ten
 def _dense_model(spec: DatasetSpec, model, feature_names: Sequence[str], seed: int, device: torch.device):
     """A DLRMTrain whose sparse arch is a placeholder of len(feature_names) features of the model's
     dim (on the meta device): the dense part initialised exactly as `build_model` does it."""
-    from recgrid.engine.model import build_model
-
     if list(feature_names) == list(SPARSE_NAMES):
         return build_model(spec, model, seed=seed, dense_device=device)
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
-
-    from recgrid.data.specs import NUM_DENSE
 
     dim = model.resolved_dim(spec)
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t_{n}", embedding_dim=dim, num_embeddings=1,

@@ -13,7 +13,7 @@ one logit per sample (`[B]`; `torch.sigmoid` gives the click probability).
 `served_layout` lays a model out as the plain computation MLflow serves (`launch.served`): its
 tables by feature, its id mapping, its matrices layer by layer, each by its name in the model's
 `state_dict()`, so the served form needs torch only, never TorchRec or this module.
-This module imports torch, TorchRec and `data.specs` only (never the rest of recgrid).
+This module imports torch, TorchRec, `data.specs` and `engine.compression` only.
 """
 
 from __future__ import annotations
@@ -25,23 +25,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recgrid.data.specs import DENSE_NAMES
-
-
-def combine_parts(pooled: dict[str, torch.Tensor], parts: Sequence[tuple[str | None, ...]], operation: str,
-                  num_features: int, dim: int) -> torch.Tensor:
-    """The sparse arch's output, [B, F, D], from the tables' pooled embeddings by name: per feature
-    its table's, or for a QR-compressed one h + op(q, r) (h: its head table's, where it has one;
-    op: "mult", "add" or "concat"). `parts[f]`: (table feature name,) or (head or None, q, r)."""
-    out = []
-    for part in parts:
-        if len(part) == 1:
-            out.append(pooled[part[0]])  # type: ignore[index]
-            continue
-        head, q_name, r_name = part
-        q, r = pooled[q_name], pooled[r_name]  # type: ignore[index]
-        e = q * r if operation == "mult" else q + r if operation == "add" else torch.cat([q, r], dim=1)
-        out.append(e if head is None else pooled[head] + e)
-    return torch.cat(out, dim=1).reshape(-1, num_features, dim)
+from recgrid.engine.compression import combine_parts
 
 
 class QRIds(nn.Module):

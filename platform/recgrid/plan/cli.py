@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from recgrid.config import ConfigError, load_config
+from recgrid.engine.model import build_model
 from recgrid.plan.cluster import Cluster, PlanError
 from recgrid.plan.constants import PROFILES
 from recgrid.plan.estimators import CpuCost, GpuCost
@@ -22,6 +24,7 @@ from recgrid.plan.planner import cpu_profile, job_candidate, job_cluster, job_ta
 from recgrid.plan.recscale import OptionsError, apply_args
 from recgrid.plan.report import format_plan
 from recgrid.plan.tables import TablesError, resolve_model
+from recgrid.trainer_config import EngineConfig
 
 DEVICES = ("gpu", "cpu")
 
@@ -68,10 +71,6 @@ def progress_printer(enabled: bool):
 
 def job_inputs(args: argparse.Namespace):
     """--config: the job's model, cluster, sync intervals and own candidate."""
-    from recgrid.config import ConfigError, load_config
-    from recgrid.engine.model import build_model
-    from recgrid.trainer_config import EngineConfig
-
     try:
         config = load_config(args.config, getattr(args, "set", []))
     except (ConfigError, FileNotFoundError) as e:

@@ -17,7 +17,10 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from recgrid.config import OptimConfig
+from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
 from recgrid.engine.quiet import libraries_quiet
+from recgrid.engine.sharding import grid_sharder
 from recgrid.plan.constants import MIN_COLUMN_SHARD_BYTES
 from recgrid.plan.recscale import price_sparse_exchange
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec
@@ -61,10 +64,6 @@ def _meta_module(model: ModelTables):
 
 @functools.lru_cache(maxsize=1)
 def _sharder():
-    from recgrid.config import OptimConfig
-    from recgrid.engine.optimizer import MomentScaledRowWiseAdagrad
-    from recgrid.engine.sharding import grid_sharder
-
     o = OptimConfig()  # the planner's sharder only needs a fused optimizer's kind, not its values
     return grid_sharder(MomentScaledRowWiseAdagrad(lr=o.lr, eps=o.eps, moment_scale=1.0).fused_params())
 

@@ -15,6 +15,9 @@ import os
 import time
 from typing import Any, Sequence
 
+from recgrid.data.specs import SPARSE_NAMES
+from recgrid.engine.device import placement
+from recgrid.engine.sharding import AUTO_TYPES
 from recgrid.plan.cluster import Cluster, PlanError
 from recgrid.plan.constants import CPU_MEASURED, GB, H100_SXM, CpuProfile
 from recgrid.plan.enumerators import PLAN_SHARDING_TYPES
@@ -78,8 +81,6 @@ def job_tables(config: Any, module: Any) -> ModelTables:
     import torch
     from torchrec import EmbeddingBagCollection
 
-    from recgrid.data.specs import SPARSE_NAMES
-
     spec = config.dataset_spec()
     bags = dict(zip(SPARSE_NAMES, spec.bag_sizes))
     _, ebc = embedding_module(module)
@@ -114,8 +115,6 @@ def embedding_module(module: Any) -> tuple[str, Any]:
 def auto_sharding_types() -> tuple[str, ...]:
     """The sharding types `auto` searches: the planner's, less those the engine leaves out of
     "auto" (`engine.sharding.AUTO_TYPES`)."""
-    from recgrid.engine.sharding import AUTO_TYPES
-
     return tuple(t for t in PLAN_SHARDING_TYPES if t in AUTO_TYPES)
 
 
@@ -139,7 +138,6 @@ def job_sharding_plan(config: Any, module: Any, hbm_cap: int | None = None, prof
 
 def sharding_plan(placements: Sequence[TablePlacement], path: str, device_type: str, per_node: int) -> Any:
     """A TorchRec `ShardingPlan` for the module at `path` from the planner's table placements."""
-    from recgrid.engine.device import placement
     from torchrec.distributed.types import (
         EmbeddingModuleShardingPlan, EnumerableShardingSpec, ParameterSharding, ShardingPlan, ShardMetadata,
     )

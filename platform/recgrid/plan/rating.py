@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from recgrid.engine.grid import GridError
 from recgrid.plan.cluster import Cluster, PlanError, grid_for, layouts_for, ranks_per_node
 from recgrid.plan.constants import GB
 from recgrid.plan.enumerators import PLAN_SHARDING_TYPES
@@ -116,8 +117,6 @@ def evaluate(model: ModelTables, cluster: Cluster, num_groups: int, sync_every: 
 
 def _evaluate(model: ModelTables, cluster: Cluster, num_groups: int, sync_every: int, layout: str,
               sharding_types: Sequence[str]) -> Candidate:
-    from recgrid.engine.grid import GridError
-
     try:
         grid = grid_for(cluster, num_groups, layout)
     except GridError as e:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recgrid.data.specs import SPARSE_NAMES, SpecError, get_spec
+
 # fp32 weights: the unit a model's size is quoted in ("0.5 TB of tables").
 BYTES_PER_WEIGHT = 4
 # MLPerf DLRM (Criteo 1TB reference) MLP sizes: the dense part when a tables file gives none.
@@ -214,8 +216,6 @@ def _dense(path: Path, raw: Any) -> DenseSpec:
 def tables_from_spec(spec_name: str) -> ModelTables:
     """The 26 Criteo tables of a dataset spec (one id per feature, or the MLPerf multi-hot bag
     sizes for `NAME+multihot`), with the MLPerf DLRM dense part sized to the spec's dim."""
-    from recgrid.data.specs import SPARSE_NAMES, SpecError, get_spec
-
     try:
         spec = get_spec(spec_name)
     except SpecError as e:

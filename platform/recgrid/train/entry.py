@@ -28,6 +28,7 @@ def _unpack(cfg: dict[str, bytes]) -> dict[str, Any]:
 
 def group_worker(cfg: dict[str, bytes]) -> None:
     """`train.worker.train_group_worker` (one sharding group's run: `cfg["group"]`)."""
+    # cold start: Ray Train's controller imports this module, and train.worker imports torch and TorchRec
     from recgrid.train.worker import train_group_worker
 
     train_group_worker(_unpack(cfg))

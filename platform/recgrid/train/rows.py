@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from recgrid.data.units import DataCursor, EpochPlan, take_rows
+
 
 def reread_window(sync_every: int) -> int:
     """How far back in its part a batch read again may lie: a rebuilt sharding group reads on from
@@ -68,8 +70,6 @@ def rank_positions(inputs: Any, seed: int, batch_size: int, rows_per_unit: int, 
     occurrence further on (a gap: the batches between were skipped). Synthetic row ids count
     rows over all files, as `scan_inputs` lists them."""
     import numpy as np
-
-    from recgrid.data.units import DataCursor, EpochPlan, take_rows
 
     B = batch_size
     plan = EpochPlan(inputs, seed, B, rows_per_unit)

@@ -39,11 +39,14 @@ from torch import nn
 
 from recgrid.data.stream import EvalData, TrainData
 from recgrid.engine.device import autocast, configure_matmul, pipelined, resolve_precision, synchronize
+from recgrid.engine.exchange import exchange_meter
 from recgrid.engine.grid import Grid, GridGroups
 from recgrid.engine.model import build_model
 from recgrid.engine.optimizer import dense_optimizer
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
+from recgrid.engine.sptt import shard_tower_model
 from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, embedding_weights, optimizer_states, sync_step
+from recgrid.engine.towers import tower_plan
 from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
 from recgrid.train.pipeline import BatchFeeder, RoundCommit
@@ -152,9 +155,6 @@ class Trainer:
         self.embedding_optimizer = config.embedding_optimizer(grid.num_groups)
         fused = self.embedding_optimizer.fused_params()
         if config.towers is not None:  # DMT: recgrid's own tower exchange (engine.sptt)
-            from recgrid.engine.sptt import shard_tower_model
-            from recgrid.engine.towers import tower_plan
-
             self.plan = plan if plan is not None else tower_plan(config.spec, config.model, config.towers, grid,
                                                                  device.type)
             self.model = shard_tower_model(config.spec, config.model, config.towers, grid, groups, device, fused,
@@ -174,8 +174,6 @@ class Trainer:
         self.metrics = TrainMetrics(window_steps=config.ne_window_steps, device=device, imbalance_phase="lookup_kernel",
                                     deferred=self.pipelined)
         attach_lookup_timers(self.metrics.timer, self.model)
-        from recgrid.engine.exchange import exchange_meter
-
         self.exchange = exchange_meter(self.model, grid, self.rank)  # bytes and world sizes of the exchange
         self._lookup_before = 0.0  # the interval's lookup seconds before the current step
         self.replicas: Replicas = Replicas(self)  # torchft's replaces it (train.recovery.peers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+from recgrid.train.checkpoint import checkpoint_step, is_complete
 from recgrid.train.control import LazyActor
 from recgrid.train.recovery.holders import SnapshotHolder, plan_restore
 
@@ -122,8 +123,6 @@ class RecoveryCoordinatorImpl:
 
     def latest_checkpoint(self, candidates: Sequence[str | None] = ()) -> str | None:
         """The newest storage checkpoint: recorded here, or among `candidates` (Ray Train's own)."""
-        from recgrid.train.checkpoint import checkpoint_step, is_complete
-
         found = list(self.checkpoints) + [(checkpoint_step(c) or -1, c) for c in candidates if c]
         done = sorted((s, p) for s, p in found if is_complete(p))
         return done[-1][1] if done else None

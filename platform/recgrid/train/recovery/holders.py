@@ -32,6 +32,7 @@ from recgrid.train.control import LazyActor
 from recgrid.train.recovery.slots import (SnapshotDirRefused, allocate_slot_files, array_view, digest,
                                           make_node_dir, map_slot, read_slot, remove_node_dir, shard_layout,
                                           slot_files, snapshot_dir, tensor_view, write_into)
+from recgrid.train.state import Snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -584,8 +585,6 @@ class HolderRestore(_WorkerSide):
             where.update(plan.get("windows", {}))
             windows = [fetch(k) for k in plan.get("windows", {})]
             window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
-        from recgrid.train.trainer import Snapshot
-
         trainer.load_snapshot(Snapshot(shard=[tensor_view(a) for a in shard],
                                        dense={k: tensor_view(v) for k, v in dense.items()},
                                        progress=progress["progress"], window=None), window)

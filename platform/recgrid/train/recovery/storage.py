@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from recgrid.train.checkpoint import checkpoint_step
 from recgrid.train.trainer import Trainer
 
 
@@ -90,8 +91,6 @@ class StorageFallback:
         """Shard rank 0's pick: (the newest storage checkpoint, the holders' plan when their newest
         complete snapshot is at least as new, else None)."""
         import ray
-
-        from recgrid.train.checkpoint import checkpoint_step
 
         path = ray.get(self.coordinator.latest_checkpoint.remote())
         if self.holders is None:
