@@ -9,14 +9,18 @@ Walks every module of `recgrid` with `ast` (no import runs) and fails on:
   the package's top that both `train/` and `launch/` use (tracking, logs, config, config_sections,
   trainer_config) import neither; `plan/` imports nothing of `train/` or `launch/`;
 - an import circle among recgrid's modules (every import counts: module-level, function-local,
-  under `TYPE_CHECKING`).
+  under `TYPE_CHECKING`);
+- more than `MAX_LOCAL_IMPORTS` function-local imports of recgrid's own modules, or one without a
+  comment (on its line or the line above) saying why it cannot be at the module's top.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,15 @@ FORBIDDEN = {
     "recgrid.trainer_config": ("recgrid.train", "recgrid.launch", "recgrid.cli", "recgrid.plan"),
     "recgrid.plan": ("recgrid.train", "recgrid.launch", "recgrid.cli"),
 }
+
+
+# function-local imports of recgrid's own modules: only where a light process (`recgrid --help`,
+# Ray Train's controller, ...) must not pay for heavy ones
+MAX_LOCAL_IMPORTS = 15
+# modules whose local imports still want their comment (another change edits them now): counted, not
+# yet checked for a comment; empty this once they have theirs
+UNCOMMENTED_FOR_NOW = {"recgrid/data/stream.py", "recgrid/launch/submit.py", "recgrid/plan/cluster.py",
+                       "recgrid/plan/recscale.py"}
 
 
 def module_name(path: Path) -> str:
@@ -151,6 +164,26 @@ def circles() -> list[list[str]]:
     return sorted(found)
 
 
+def local_imports(package: Path) -> list[tuple[str, int, bool]]:
+    """(file, line, commented) for every import of recgrid inside a function body of `package`'s
+    modules; commented: a comment on the import's line or the line above."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type == tokenize.COMMENT}
+        where = str(path.relative_to(package.parent))
+        for fn in ast.walk(ast.parse(source, filename=str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if ((isinstance(node, ast.Import) and any(a.name.split(".")[0] == "recgrid" for a in node.names))
+                        or (isinstance(node, ast.ImportFrom)
+                            and (node.level or (node.module or "").split(".")[0] == "recgrid"))):
+                    found.append((where, node.lineno, bool({node.lineno, node.lineno - 1} & comments)))
+    return sorted(set(found))  # a nested function's imports are walked from each enclosing one
+
+
 def test_no_private_imports_and_layers_hold() -> None:
     assert violations() == []
 
@@ -189,6 +222,32 @@ def test_the_circle_finder_finds_one(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sys.modules[__name__], "ROOT", copy)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy / "recgrid")
     assert ["recgrid.engine.planted_a", "recgrid.engine.planted_b"] in circles()
+
+
+def test_function_local_imports_are_few_and_say_why() -> None:
+    """Function-local imports of recgrid's own modules: at most MAX_LOCAL_IMPORTS, each with a comment
+    saying why it stays in its function (issue 48, acceptance 4)."""
+    found = local_imports(PACKAGE)
+    assert [f"{f}:{line}" for f, line, commented in found
+            if not commented and f not in UNCOMMENTED_FOR_NOW] == [], "no comment saying why"
+    assert len(found) <= MAX_LOCAL_IMPORTS, [f"{f}:{line}" for f, line, _ in found]
+
+
+def test_the_local_import_walker_finds_them(tmp_path: Path) -> None:
+    """The check can fail: planted function-local imports are found, the uncommented one as such;
+    top-level and third-party ones are not counted."""
+    (tmp_path / "recgrid").mkdir()
+    (tmp_path / "recgrid" / "planted.py").write_text(
+        "from recgrid import top\n"
+        "def f():\n"
+        "    import torch\n"
+        "    # cold start: x is heavy\n"
+        "    from recgrid.x import y\n"
+        "    def g():\n"
+        "        import recgrid.z\n"
+        "    from . import w  # a reason\n")
+    assert local_imports(tmp_path / "recgrid") == [
+        ("recgrid/planted.py", 5, True), ("recgrid/planted.py", 7, False), ("recgrid/planted.py", 8, True)]
 
 
 def test_the_readme_repository_map_names_every_module() -> None:

@@ -2,8 +2,8 @@
 
 The parser's description is the tool's own (`DESCRIPTION`); every option's help says its default.
 
-Each verb's module is imported when the verb runs (`run_verb`), so `recgrid layout` and `recgrid
---help` answer at once.
+The verbs' modules are imported here, except those that import torch, TorchRec, MLflow or pyarrow:
+those when their verb runs (`run_verb`), so `recgrid layout` and `recgrid --help` answer at once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import json
 import os
 import sys
 
+from recgrid.config import SECTIONS, field_defaults, field_docs
+from recgrid.engine.grid import Grid, GridError
+from recgrid.launch import submit
+from recgrid.plan import cli as plan_cli
+from recgrid.plan import constants, simulate
 
 DESCRIPTION = """\
 recgrid trains DLRM-family recommendation models with two-dimensional sparse parallelism on Ray:
@@ -202,23 +207,22 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 def _add_failure_args(p: argparse.ArgumentParser) -> None:
     """`simulate`'s goodput term: the host failure rate and the recovery constants (plan/constants.py)."""
-    from recgrid.plan import constants as k
-
     g = p.add_argument_group("goodput under host failures (defaults: plan/constants.py, each with its source)")
-    g.add_argument("--host-failures-per-hour", type=float, default=k.HOST_FAILURES_PER_HOUR, metavar="RATE",
+    g.add_argument("--host-failures-per-hour", type=float, default=constants.HOST_FAILURES_PER_HOUR, metavar="RATE",
                    help="failures per host per hour (Meta's Llama 3 pre-training: 78%% of 419 interruptions in 54 "
-                        f"days on 2,048 hosts of 8 H100s; default: {k.HOST_FAILURES_PER_HOUR:.3g})")
-    g.add_argument("--restart-s", type=float, default=k.RESTART_S, metavar="S",
+                        f"days on 2,048 hosts of 8 H100s; default: {constants.HOST_FAILURES_PER_HOUR:.3g})")
+    g.add_argument("--restart-s", type=float, default=constants.RESTART_S, metavar="S",
                    help="seconds from a failure to a restarted group's training function (measured here)")
-    g.add_argument("--heal-s", type=float, default=k.HEAL_S, metavar="S",
+    g.add_argument("--heal-s", type=float, default=constants.HEAL_S, metavar="S",
                    help="seconds a rebuilt group heals from a live peer, inter-host (measured here)")
-    g.add_argument("--snapshot-every-s", type=float, default=k.SNAPSHOT_EVERY_S, metavar="S",
+    g.add_argument("--snapshot-every-s", type=float, default=constants.SNAPSHOT_EVERY_S, metavar="S",
                    help="training seconds between peer-memory snapshots (host-local)")
-    g.add_argument("--snapshot-cost-s", type=float, default=k.SNAPSHOT_COST_S, metavar="S",
-                   help=f"seconds one snapshot adds to the steps (provisional; default: {k.SNAPSHOT_COST_S:.3g})")
-    g.add_argument("--checkpoint-every-s", type=float, default=k.CHECKPOINT_EVERY_S, metavar="S",
+    g.add_argument("--snapshot-cost-s", type=float, default=constants.SNAPSHOT_COST_S, metavar="S",
+                   help="seconds one snapshot adds to the steps (provisional; default: "
+                        f"{constants.SNAPSHOT_COST_S:.3g})")
+    g.add_argument("--checkpoint-every-s", type=float, default=constants.CHECKPOINT_EVERY_S, metavar="S",
                    help="training seconds between storage checkpoints")
-    g.add_argument("--checkpoint-cost-s", type=float, default=k.CHECKPOINT_COST_S, metavar="S",
+    g.add_argument("--checkpoint-cost-s", type=float, default=constants.CHECKPOINT_COST_S, metavar="S",
                    help="seconds one storage checkpoint adds to the steps (measured here)")
 
 
@@ -306,8 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from recgrid.config import SECTIONS, field_defaults, field_docs
-
     if args.section is not None and args.section not in SECTIONS:
         print(f"recgrid keys: unknown section {args.section!r}; sections: {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
@@ -319,8 +321,6 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def run_layout(args: argparse.Namespace) -> int:
-    from recgrid.engine.grid import Grid, GridError
-
     try:
         grid = Grid(
             world_size=args.world_size,
@@ -345,46 +345,33 @@ def run_layout(args: argparse.Namespace) -> int:
 
 def run_verb(args: argparse.Namespace) -> int | None:
     """Runs the verb `args.command` in the module that owns it."""
-    # Each verb's module is imported when its verb runs, not with the CLI: with every verb's module
-    # imported (torch among them) `recgrid --help` takes 2 s instead of 0.2 s.
     match args.command:
         case "layout":
             return run_layout(args)
         case "keys":
             return run_keys(args)
-        case "smoke":
-            from recgrid.launch import smoke
-            return smoke.run_cli(args)
-        case "synth":
-            from recgrid.data import synth
-            return synth.run_cli(args)
-        case "prepare":
-            from recgrid.data import prepare
-            return prepare.run_cli(args)
-        case "train":
-            from recgrid.launch import ray
-            return ray.run_cli(args)
         case "submit":
-            from recgrid.launch import submit
             return submit.run_cli(args)
-        case "compare":
-            from recgrid.launch import compare
-            return compare.run_cli(args)
         case "plan":
-            from recgrid.plan import cli
-            return cli.run_cli(args)
+            return plan_cli.run_cli(args)
         case "simulate":
-            from recgrid.plan import simulate
             return simulate.run_cli(args)
-        case "towers":
-            from recgrid.launch import towers
-            return towers.run_cli(args)
-        case "export":
+        case "synth" | "prepare":
+            # cold start: pyarrow and the data pipeline add 0.1 s that `recgrid --help` need not wait for
+            from recgrid.data import prepare, synth
+            return (synth if args.command == "synth" else prepare).run_cli(args)
+        case "smoke" | "towers":
+            # cold start: local runs of the trainer import torch and TorchRec (seconds; `--help` must not)
+            from recgrid.launch import smoke, towers
+            return (smoke if args.command == "smoke" else towers).run_cli(args)
+        case "train" | "compare":
+            # cold start: the Ray launcher imports torch, TorchRec, MLflow and the trainer (seconds)
+            from recgrid.launch import compare, ray
+            return (ray if args.command == "train" else compare).run_cli(args)
+        case "export" | "eval":
+            # cold start: reading a model imports torch, TorchRec and MLflow (seconds; `--help` must not)
             from recgrid.launch import model
-            return model.run_export(args)
-        case "eval":
-            from recgrid.launch import model
-            return model.run_eval(args)
+            return model.run_export(args) if args.command == "export" else model.run_eval(args)
     raise AssertionError(f"no verb {args.command!r}")  # argparse refuses an unknown one first
 
 
