@@ -48,10 +48,6 @@ FORBIDDEN = {
 # function-local imports of recgrid's own modules: only where a light process (`recgrid --help`,
 # Ray Train's controller, ...) must not pay for heavy ones
 MAX_LOCAL_IMPORTS = 15
-# modules whose local imports still want their comment (another change edits them now): counted, not
-# yet checked for a comment; empty this once they have theirs
-UNCOMMENTED_FOR_NOW = {"recgrid/data/stream.py", "recgrid/launch/submit.py", "recgrid/plan/cluster.py",
-                       "recgrid/plan/recscale.py"}
 
 
 def module_name(path: Path) -> str:
@@ -229,7 +225,7 @@ def test_function_local_imports_are_few_and_say_why() -> None:
     saying why it stays in its function (issue 48, acceptance 4)."""
     found = local_imports(PACKAGE)
     assert [f"{f}:{line}" for f, line, commented in found
-            if not commented and f not in UNCOMMENTED_FOR_NOW] == [], "no comment saying why"
+            if not commented] == [], "no comment saying why"
     assert len(found) <= MAX_LOCAL_IMPORTS, [f"{f}:{line}" for f, line, _ in found]
 
 

@@ -45,7 +45,8 @@ from recgrid.data.criteo import (
     PARQUET, PREPARED_SCHEMA, ROW_ID, CriteoDataError, check_prepared_rows, check_prepared_schema, expand_inputs,
     iter_line_chunks, parquet_file, read_raw, read_row_group, sniff_format,
 )
-from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec
+from recgrid.data.specs import DENSE_NAMES, LABEL_NAME, SPARSE_NAMES, DatasetSpec, head_from_counts, merge_counts
+from recgrid.data.synth import synth_table
 from recgrid.data.transforms import bag_offsets, expand_bags
 from recgrid.data.units import DataCursor, EpochPlan, Inputs, Unit, even_sizes, split_rows, take_rows
 
@@ -318,8 +319,6 @@ def synthetic_batches(
     Same (spec, seed) gives the same hidden model; `stream` picks an independent draw from it
     (e.g. 0 for training, 1 for evaluation).
     """
-    from recgrid.data.synth import synth_table
-
     return memory_batches(synth_table(spec, batch_size * num_batches, seed, stream=stream), batch_size, spec,
                           compression=compression)
 
@@ -524,8 +523,6 @@ def id_counts(inputs: Inputs, spec: DatasetSpec, features: Sequence[int], *, mul
     ids (numpy, per feature); this process adds the blocks' counts up."""
     import ray.data
 
-    from recgrid.data.specs import merge_counts
-
     source = UnitsDatasource(inputs, inputs.units(), spec, 1, drop_last=False, rows_per_task=rows_per_task)
     found: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {f: [] for f in features}
     if not source.tasks:
@@ -562,8 +559,6 @@ def head_ids(inputs: Inputs, spec: DatasetSpec, compression: Compression, *,
              multi_hot_seed: int = 0) -> dict[int, np.ndarray]:
     """The head cache of every compressed feature (`Compression.features`): its `head_rows` most
     frequent ids over `inputs`, or the fewest covering `head_coverage` of its lookups (sorted)."""
-    from recgrid.data.specs import head_from_counts
-
     counts = id_counts(inputs, spec, compression.features(spec), multi_hot_seed=multi_hot_seed)
     return {f: head_from_counts(ids, n, compression.head_rows, compression.head_coverage)
             for f, (ids, n) in counts.items()}

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import recgrid
 from recgrid.config import ConfigError, JobConfig, load_config
 from recgrid.launch.report import say
 from recgrid.tracking import has_credentials, redact_uri, strip_credentials
@@ -269,8 +270,6 @@ def job_env(config: JobConfig) -> tuple[dict[str, str], list[str]]:
 
 
 def runtime_env(env_vars: dict[str, str], working_dir: Path) -> dict[str, Any]:
-    import recgrid
-
     return {
         "working_dir": str(working_dir),
         # this package, whatever the cluster's image holds: PYTHONPATH puts it first

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from recgrid.engine.grid import Grid
 from recgrid.plan.estimators import CpuCost, GpuCost
 
 
@@ -62,8 +63,6 @@ def layouts_for(cluster: Cluster, num_groups: int) -> list[str]:
 
 def grid_for(cluster: Cluster, num_groups: int, layout: str):
     """recgrid's grid for (T, M, layout): the one place rank lists come from."""
-    from recgrid.engine.grid import Grid
-
     return Grid(cluster.gpus, num_groups, layout, workers_per_node=cluster.workers_per_node)
 
 

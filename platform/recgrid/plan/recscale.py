@@ -24,9 +24,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from recgrid.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from recgrid.data.specs import HEAD, Compression, compressed_parts
 from recgrid.engine.srp import SPARSE_SHARDINGS, expected_exchange_bytes, expected_occupancy
 from recgrid.plan.tables import BYTES_PER_WEIGHT, ModelTables, TableSpec
+from recgrid.tracking import resolve_tracking_uri
 
 ROW_WISE = "row_wise"
 
@@ -183,8 +185,6 @@ def measured_occupancy(dense_run: str, sparse_run: str, tracking_uri: str | None
     their median `exchange/bytes/row_wise`. Raises OptionsError when a run did not record it or
     the runs differ in L or exchange. The MLflow store: `tracking_uri`, else $MLFLOW_TRACKING_URI,
     else the project's (recgrid.tracking)."""
-    from recgrid.tracking import resolve_tracking_uri
-
     import mlflow
 
     client = mlflow.tracking.MlflowClient(resolve_tracking_uri(tracking_uri))
@@ -304,8 +304,6 @@ def apply_options(model: ModelTables, spec: str | None, settings: Mapping[str, o
     dataset spec when the model is one; for a tables file, the rules that do not depend on the
     spec, then the tables' own: a threshold that compresses no table, mult with bags of several
     ids), then compressed and given its exchange. Errors name the flag and the field."""
-    from recgrid.config import ConfigError, DataConfig, JobConfig, ModelConfig
-
     unknown = set(settings) - set(MODEL_FIELDS)
     if unknown:
         raise OptionsError(f"unknown model settings {sorted(unknown)}; known: {list(MODEL_FIELDS)}")
