@@ -98,6 +98,7 @@ bench: install
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/simulate.py
 	$(BIN)/python bench/plan_quality.py
+	$(BIN)/python bench/peer.py
 	$(BIN)/python bench/checkpoint_cost.py
 	$(BIN)/python bench/srp.py
 

@@ -15,6 +15,7 @@ import sys
 
 from recgrid.config import SECTIONS, field_defaults, field_docs
 from recgrid.engine.grid import Grid, GridError
+from recgrid.engine.sharding import SHARDINGS
 from recgrid.launch import submit
 from recgrid.plan import cli as plan_cli
 from recgrid.plan import constants, simulate
@@ -62,8 +63,8 @@ def _add_smoke(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", "-M", type=int, default=2, help="M, number of sharding groups (must divide T)")
     p.add_argument("--steps", type=int, default=20, help="training steps")
     p.add_argument("--sync-every", "-K", type=int, default=5, help="K, steps between replica-group syncs")
-    p.add_argument("--sharding", default="table_wise",
-                   help="table_wise, column_wise, row_wise, table_row_wise, grid_shard or auto (planner's choice)")
+    p.add_argument("--sharding", default="table_wise", choices=SHARDINGS,
+                   help="a TorchRec sharding type, or auto (the planner's choice per table)")
     p.add_argument("--inter-host", action="store_true", help="use the inter-host sync layout (default host-local)")
     p.add_argument("--batch-size", type=int, default=64, help="per-worker batch size")
     p.add_argument("--moment-scale", type=float, default=None, help="c, the AdaGrad moment scale (default: M)")
@@ -155,7 +156,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, job: bool = False) -> None:
     p.add_argument("--batch-per-gpu", type=int, required=not job, default=None,
                    help="B, samples per GPU (or CPU worker) per step")
     p.add_argument("--hbm-gb", type=float, default=None, help="GPU memory in GB (default: the GPU's, 80)")
-    p.add_argument("--gpu", default="h100-sxm", help="hardware profile of the published figures (h100-sxm)")
+    p.add_argument("--gpu", default="h100-sxm", help="hardware profile of the published figures")
     p.add_argument("--intra-node-gbps", type=float, default=None, help="override NVLink bandwidth per GPU, GB/s")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="override NIC bandwidth per GPU, GB/s")
     p.add_argument("--sync-every", default="1,5,25", metavar="K[,K...]",
