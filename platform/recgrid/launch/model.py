@@ -148,7 +148,9 @@ def log_job_model(config: Any, tracker: Any, status: dict[str, Any]) -> Any:
         say(f"model: no checkpoint of the final step {final}: no model logged")
         return None
     model = from_checkpoint(path, config, info={"run_id": tracker.run_id}, say=say)
-    with tempfile.TemporaryDirectory(prefix="recgrid-model-") as staging:
+    # MLflow warns, while it logs a pyfunc whose predict has no type hints, that its data validation is
+    # off: recgrid's predict validates the raw columns itself (launch.served); the warning is not the user's
+    with tempfile.TemporaryDirectory(prefix="recgrid-model-") as staging, libraries_quiet():
         info = tracker.log_model(model_files(model, staging), step=final, register_as=config.tracking.register_as,
                                  params={"checkpoint": path, "spec": config.dataset_spec().name})
     ne = tracker.client.get_run(tracker.run_id).data.metrics.get("eval/ne")
