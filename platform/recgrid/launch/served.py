@@ -116,7 +116,9 @@ class ServedDLRM(mlflow.pyfunc.PythonModel):
         self.bags = [self.transforms.bag_offsets(rows, bag, lay["multi_hot_seed"], f)
                      for f, (rows, bag) in enumerate(zip(lay["table_rows"], lay["bag_sizes"]))]
 
-    def predict(self, context, model_input, params=None):  # no type hints: MLflow would read them as a schema
+    # `pd.DataFrame`: a hint MLflow infers no schema from (the model's signature is the logged one) and
+    # wraps nothing for; without a hint MLflow warns at every load that data validation is off
+    def predict(self, context, model_input: pd.DataFrame, params=None):
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         lay, t = self.layout, self.transforms
         columns = [*lay["dense"], *lay["sparse"]]
