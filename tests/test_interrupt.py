@@ -2,12 +2,13 @@
 scheduler sends) on `recgrid train`, on a machine whose Ray temp directory names a local cluster
 that died.
 
-One subprocess per signal: `recgrid train` with a stale `ray_current_cluster` file in its Ray temp
-directory (a dead address) still starts its own local cluster and trains; the signal mid-job stops
+One subprocess: `recgrid train` with a stale `ray_current_cluster` file in its Ray temp
+directory (a dead address) still starts its own local cluster and trains; SIGTERM mid-job stops
 the workers at their next sync step, they write a checkpoint there (the job has checkpoints), the
 final evaluation is skipped, the MLflow run ends KILLED saying the step and the signal, no process
-of the job is left, and the command exits 128 + the signal's number (130, 143) within 30 s. Its
-console has neither ANSI codes nor Ray's bookkeeping.
+of the job is left, and the command exits 128 + the signal's number (143) within 30 s. Its
+console has neither ANSI codes nor Ray's bookkeeping. Ctrl-C (SIGINT) reaches the same handler: a
+job interrupted by it before training ends KILLED, tagged with SIGINT, and exits 130.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _job_processes(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+# SIGTERM here; SIGINT takes the same handler (launch.ray.Interrupts), and its own exit code and tag are
+# checked below on a job interrupted before training, without training a job for it
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path, sig):
     from mlflow.tracking import MlflowClient
 
@@ -120,6 +123,52 @@ def test_a_signal_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path, s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for pid in _job_processes(ray_tmp):  # what this test started and left, if it failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_ctrl_c_before_training_ends_the_run_killed_and_exits_130(tmp_path):
+    """SIGINT once the job's local Ray cluster is up, before any worker trains: the run ends KILLED,
+    tagged "interrupted before training (SIGINT)", the command exits 130 and leaves no process."""
+    from mlflow.tracking import MlflowClient
+
+    ray_tmp = tempfile.mkdtemp(prefix="rgint", dir="/tmp")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    overrides = [f"data.train={tmp_path}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=2000",
+                 "grid.world_size=2", "grid.num_groups=2", "train.max_steps=5000", "train.batch_size=64",
+                 "train.cpus_per_worker=0.25", f"tracking.tracking_uri={uri}", "tracking.experiment=test-ctrl-c"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, RECGRID_RUNS_DIR=str(tmp_path / "runs"))
+    proc = subprocess.Popen([sys.executable, "-m", "recgrid.cli", "train", str(REPO / "jobs/local_demo.yaml"),
+                             *sum((["--set", o] for o in overrides), [])],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "started a local Ray cluster" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        lines += proc.stdout.read().splitlines()
+        code = proc.wait(timeout=60)
+        out = "\n".join(lines)
+        assert code == 130, out
+        run = MlflowClient(tracking_uri=uri).search_runs(
+            [MlflowClient(tracking_uri=uri).get_experiment_by_name("test-ctrl-c").experiment_id])[0]
+        assert run.info.status == "KILLED"
+        assert run.data.tags["interrupted"].startswith("interrupted before training (SIGINT)"), run.data.tags
+        deadline = time.monotonic() + 10
+        while _job_processes(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _job_processes(ray_tmp) == [], out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _job_processes(ray_tmp):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
