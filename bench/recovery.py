@@ -384,9 +384,7 @@ def main() -> None:
         for r in results.values():  # the restart path's figures: that path is gone
             for key in ("peer", "storage", "peer_over_storage_restore"):
                 r.pop(key, None)
-            for entry in r.values():
-                if isinstance(entry, dict):
-                    entry.setdefault("command", command)
+
         out = {
             "benchmark": "recovery",
             "configuration": {"world_size": 4, "num_groups": 2, "sync_every": 5, "layout": "host-local",
@@ -404,7 +402,8 @@ def main() -> None:
         for model in a.models.split(","):
             for source in a.sources.split(","):
                 if source == "failure_free":
-                    results.setdefault(model, {})[source] = run_failure_free(tmp, model, a.failure_free_reps)
+                    results.setdefault(model, {})[source] = run_failure_free(tmp, model, a.failure_free_reps) | {
+                        "command": command}
                     print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
                     save()
                     continue
@@ -414,14 +413,16 @@ def main() -> None:
                     t, m = (int(x) for x in shape.split("x"))
                     key = "torchft" if i == 0 else f"torchft_T{t}_M{m}"
                     print(f"[bench] {model}: torchft, T={t} M={m}, one worker killed ...", file=sys.stderr, flush=True)
-                    results.setdefault(model, {})[key] = run_torchft_case(tmp, model, a.recovery_kill_step, t, m)
+                    results.setdefault(model, {})[key] = run_torchft_case(tmp, model, a.recovery_kill_step, t, m) | {
+                        "command": command}
                     print(json.dumps(results[model][key]), file=sys.stderr, flush=True)
                     save()
                 if model == "tiny" and a.quality_seeds:
                     print(f"[bench] {model}: torchft, final eval NE with a kill against {a.quality_seeds} failure-free "
                           f"seeds ...", file=sys.stderr, flush=True)
                     results[model]["torchft_quality"] = run_torchft_quality(tmp, model, a.kill_after_step,
-                                                                            a.quality_steps, a.quality_seeds)
+                                                                            a.quality_steps, a.quality_seeds) | {
+                        "command": command}
                     print(json.dumps(results[model]["torchft_quality"]), file=sys.stderr, flush=True)
                     save()
     finally:

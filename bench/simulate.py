@@ -15,8 +15,8 @@ A prediction from published hardware figures and this project's recovery constan
 same numbers on any machine. One figure is a measurement, taken only with
 `--measure-snapshot-copy` (else carried over from the results file): `snapshot_copy`, this
 machine's memory-copy bandwidth into POSIX shared memory (best of 21 copies of 64 MiB), the source
-of the provisional `constants.SNAPSHOT_COPY_BANDWIDTH` (a test keeps the two equal; the rows price
-with the constant, so after a new measurement update it and run again).
+of `constants.SNAPSHOT_COPY_BANDWIDTH`, the lower bound beside the measured snapshot cost (a test keeps
+the two equal). The rows price with `constants.SNAPSHOT_COST_S`, measured by bench/recovery.py.
 
     .venv/bin/python bench/simulate.py [--out bench/results/simulate.json] [--measure-snapshot-copy]
 """

@@ -139,19 +139,22 @@ def test_compression_figures():
 
 
 def test_failure_free_figures():
-    """What fault tolerance costs when nothing fails, as performance.md quotes it (issue 28, line 8)."""
+    """What fault tolerance costs when nothing fails, as performance.md quotes it (issue 46, line 5)."""
     ff = json.loads((RESULTS / "recovery.json").read_text())["results"]["tiny"]["failure_free"]
     off = [j["median_qps"] for j in ff["jobs"]["off"]]
     said(page(), f"every mechanism off {ff['off']['median_qps']:,.0f} QPS; failures allowed")
     said(page(), f"{ff['failures_allowed']['median_qps']:,.0f} QPS, {ff['failures_allowed_over_off_qps']:.2f}x")
-    said(page(), f"without storage checkpoints {ff['failures_allowed_no_checkpoints']['median_qps']:,.0f} QPS, "
-                 f"{ff['failures_allowed_no_checkpoints_over_off_qps']:.2f}x")
-    ckpt = [j["checkpoint_s"] for j in ff["jobs"]["failures_allowed"] + ff["jobs"]["demo"]]
-    said(page(), f"The storage checkpoints took {min(ckpt):.2f}-{max(ckpt):.2f} s of a job")
+    said(page(), f"without snapshots {ff['failures_allowed_no_snapshots']['median_qps']:,.0f} QPS, "
+                 f"{ff['failures_allowed_no_snapshots_over_off_qps']:.2f}x")
+    jobs = ff["jobs"]["failures_allowed"]
+    snap, n = [j["snapshot_s"] for j in jobs], [j["snapshots"] for j in jobs]
+    said(page(), f"{min(n)}-{max(n)} a job", f"The snapshots took {min(snap):.2f}-{max(snap):.2f} s of a job",
+         f"{1e3 * sum(s / k for s, k in zip(snap, n)) / 3:.1f} ms a snapshot")
     demo = ff["demo"]["median_qps"]
     where = "inside" if min(off) <= demo <= max(off) else "below" if demo < min(off) else "above"
     said(page(), f"{demo:,.0f} QPS, {ff['demo_over_off_qps']:.2f}x, {where} the off jobs' spread "
                  f"({min(off):,.0f}-{max(off):,.0f})")
+    assert ff["configuration"]["variants"]["demo"]["snapshot_every_syncs"] == 0  # "the off job's settings"
 
 
 def test_torchft_quality_figures():
@@ -234,6 +237,17 @@ def test_peer_figures():
          f"`recgrid train` at M = 1 is {m['recgrid_m1'] / m['bare_dmp_warm']:.2f}x")
 
 
+def test_data_pipeline_figures():
+    """Input at the step's speed, as performance.md quotes it (issue 49, acceptance 4)."""
+    f = json.loads((RESULTS / "data_pipeline.json").read_text())["figures"]
+    mh, oh, pr = f["input_per_core"]["multi_hot"], f["input_per_core"]["one_hot"], f["prepare_ray"]
+    said(page(), f"one-hot rows reach ready batches at {oh['rows_per_s_per_core_cpu'] / 1e6:.2f} M rows/s per core",
+         f"multi-hot at {mh['rows_per_s_per_core_cpu'] / 1e6:.2f} M (goal 1 M; its repeats spread "
+         f"{min(mh['cpu_seconds']):.2f}-{max(mh['cpu_seconds']):.2f} CPU seconds)",
+         f"{pr['ratio_per_core_to_pyarrow_cpu']:.2f}x pyarrow's CSV reader per core by CPU time, "
+         f"{pr['ratio_per_core_to_pyarrow_wall']:.2f}x by wall time (goal 0.5x)")
+
+
 def test_every_results_file_a_doc_quotes_is_checked_here():
     """A doc quotes a results file's figure as `<file>.json`, `<key>`: each such file is read above."""
     quoted = set()
@@ -280,7 +294,8 @@ def test_goodput_figures():
          f"| {model['checkpoint_every_s']:g} s |",
          f"{model['checkpoint_cost_s']:.4f} s ({derived['checkpoint_s_mean_over_workers']} s over "
          f"{derived['checkpoints_written']} checkpoints",
-         f"{model['snapshot_cost_s'] * 1e3:.3f} ms ({k.DEMO_SHARD_BYTES:,.0f} bytes at "
+         f"{model['snapshot_cost_s'] * 1e3:.3f} ms: the demo's snapshots",
+         f"{k.DEMO_SHARD_BYTES / sim['snapshot_copy']['bandwidth'] * 1e3:.3f} ms ({k.DEMO_SHARD_BYTES:,.0f} bytes at "
          f"{sim['snapshot_copy']['bandwidth'] / 1e9:.2f} GB/s")
     f = {r["gpus"]: r["failures"] for r in rows}
     lost = lambda T, key: 100 * (1 - f[T]["goodput"][key])  # noqa: E731

@@ -216,11 +216,17 @@ SOURCES: dict[str, Source] = {
         "The demo job (jobs/local_demo.yaml, T = 4, M = 2) with its derived cadence wrote 10 storage checkpoints "
         "of 2,842,046 bytes; its workers spent 1.447 s in the checkpoint phase (mean over workers): "
         "CHECKPOINT_COST_S per checkpoint."),
+    "snapshot_cost": Source(
+        "bench/recovery.py --sources failure_free -> bench/results/recovery.json, "
+        "`results.tiny.failure_free.jobs.failures_allowed`",
+        "The demo job (T = 4, M = 2, 400 steps) with train.max_failures=2: its in-memory snapshots at their derived "
+        "cadence (28-31 a job), the writing worker's seconds in the snapshot phase over the snapshots it took "
+        "(copy into the slot files, checksum, the holder's copy for the next host awaited): SNAPSHOT_COST_S."),
     "snapshot_copy": Source(
         "bench/simulate.py -> bench/results/simulate.json, `snapshot_copy`",
-        "PROVISIONAL stand-in for the peer-memory snapshot's cost until issue 46's snapshots are measured: this "
-        "machine's memory-copy bandwidth into POSIX shared memory (/dev/shm, where a holder's slot files live), "
-        "applied to the demo's bytes per shard position. A lower bound: no checksum, no copy to another host."),
+        "This machine's memory-copy bandwidth into POSIX shared memory (/dev/shm, where a holder's slot files "
+        "live), applied to the demo's bytes per shard position: the lower bound the measured snapshot cost "
+        "replaced (no checksum, no copy to another host)."),
 }
 
 
@@ -345,10 +351,14 @@ RESTART_S = 10.938  # recovery.json results.tiny.torchft.seconds.replacement
 HEAL_S = 0.499  # recovery.json results.tiny.torchft.seconds.heal
 # checkpoint_cost.json runs.derived: checkpoint_s_mean_over_workers / checkpoints_written
 CHECKPOINT_COST_S = 1.447 / 10
-# PROVISIONAL (SOURCES["snapshot_copy"]): issue 46's lead re-measures it from the demo's real snapshots.
+# Measured here (SOURCES["snapshot_cost"]): the demo's peer-memory snapshots, recovery.json
+# results.tiny.failure_free.jobs.failures_allowed: each job's snapshot seconds (`time/snapshot_s` summed, the
+# writing worker's) over its snapshots, the mean over the three jobs.
+SNAPSHOT_COST_S = (0.119 / 28 + 0.182 / 31 + 0.171 / 30) / 3
+# The lower bound it replaced (SOURCES["snapshot_copy"]): the demo's bytes per shard position at this machine's
+# copy bandwidth into shared memory, no checksum and no copy to another host.
 SNAPSHOT_COPY_BANDWIDTH = 4.94e9  # simulate.json snapshot_copy.bandwidth, bytes/s
 DEMO_SHARD_BYTES = 2842046 / 2  # checkpoint_cost.json runs.derived.newest_checkpoint_bytes over its L = 2 positions
-SNAPSHOT_COST_S = DEMO_SHARD_BYTES / SNAPSHOT_COPY_BANDWIDTH
 # Cadences the simulation assumes (policy, not measurement): a storage checkpoint every 30 minutes of
 # training (the job's derived time budget, decided in config.py), a snapshot every 60 s (a stand-in for
 # the job's derived interval: at most 2% of the step time, a bounded number of syncs apart).

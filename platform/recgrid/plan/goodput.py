@@ -199,7 +199,7 @@ def format_goodput(good: Sequence[GoodputRow]) -> list[str]:
             + f"  {GOODPUT_LABELS.get(g.best, '-'):<10} {wins:>10} {num(g.snapshot_break_even_cost_s, '{:.3g} s'):>11}")
     lines += [f"host failures {fm.host_failures_per_hour:.3g} per host-hour (--host-failures-per-hour; Meta's Llama 3 "
               f"pre-training, plan/constants.py); restart {fm.restart_s:g} s, heal {fm.heal_s:g} s; a snapshot every "
-              f"{fm.snapshot_every_s:g} s costing {fm.snapshot_cost_s:.3g} s (provisional); a storage checkpoint every "
+              f"{fm.snapshot_every_s:g} s costing {fm.snapshot_cost_s:.3g} s; a storage checkpoint every "
               f"{fm.checkpoint_every_s:g} s costing {fm.checkpoint_cost_s:.3g} s. Per failure: snapshots lose restart + "
               f"half a snapshot interval of every group, storage restart + half a checkpoint interval, inter-host "
               f"(restart + heal) of the lost host's groups only. 'IH wins at': the host failure rate (x the one above) "
