@@ -155,10 +155,11 @@ class JobRuns:
         placed = self.place(sorted(self.waiting), held)
         placed = {g: p for g, p in placed.items() if g in self.waiting}
         host_local = self.grid.layout == "host-local"
-        if (not placed or host_local and len(placed) < len(self.waiting)) and not self._ahead_open():
-            # no live node can take them: started now, to land on the node that joins next (one inter-host
-            # group at a time, so two never share it)
-            return self._start_ahead(sorted(self.waiting) if host_local else [min(self.waiting)], alive)
+        if host_local and len(placed) < len(self.waiting) and not self._ahead_open():
+            # no live node can take every replica group: every group's run starts now, its lost positions to
+            # land on the node that joins next (inter-host groups wait for a node instead: a run started
+            # ahead for one that the job's end left waiting kept the next job's node from it, in the tests)
+            return self._start_ahead(sorted(self.waiting), alive)
         if not placed or (host_local and len(placed) < len(self.waiting)):
             if not self._said_wait:
                 say("host-local: waiting for nodes that hold every replica group whole"
@@ -173,8 +174,8 @@ class JobRuns:
         """No live node can take `groups`' lost shard positions: their runs start now, their
         positions on live nodes pinned there and the others to a node that is not alive now (`!in(`
         every alive node id `)`), so the controllers and Ray Train's actors start while the job
-        waits for a node, and the positions land on the one that joins (host-local: every group's
-        lost position on that one node; inter-host: the group, on nodes no other group uses)."""
+        waits for a node, and every group's lost position lands on the one node that joins (host-local
+        only)."""
         ahead = f"!in({','.join(sorted(alive))})"
         for g in groups:
             self.pinned[g] = [n if n in alive else ahead for n in self.pinned.get(g, [ahead] * self.grid.group_size)]
