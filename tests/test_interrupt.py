@@ -46,6 +46,17 @@ def _job_processes(marker: str) -> list[int]:
     return pids
 
 
+def _train(tmp_path: Path, ray_tmp: str, overrides: list[str]) -> subprocess.Popen:
+    """`recgrid train` of the demo config with `overrides`, in a session of its own, with Ray's temp
+    directory `ray_tmp` (the job's processes carry it: `_job_processes`) and no RAY_ADDRESS."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, RECGRID_RUNS_DIR=str(tmp_path / "runs"))
+    return subprocess.Popen([sys.executable, "-m", "recgrid.cli", "train", str(REPO / "jobs/local_demo.yaml"),
+                             *sum((["--set", o] for o in overrides), [])],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 # SIGTERM here; SIGINT takes the same handler (launch.ray.Interrupts), and its own exit code and tag are
 # checked below on a job interrupted before training, without training a job for it
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)
@@ -66,12 +77,7 @@ def test_a_signal_stops_at_a_sync_step_with_a_stale_ray_cluster_file(tmp_path, s
         "train.cpus_per_worker=0.25", "train.checkpoint_every=100", f"train.storage_path={tmp_path}/ray_storage",
         f"tracking.tracking_uri={uri}", "tracking.experiment=test-interrupt",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmp, RECGRID_RUNS_DIR=str(tmp_path / "runs"))
-    proc = subprocess.Popen([sys.executable, "-m", "recgrid.cli", "train", str(REPO / "jobs/local_demo.yaml"),
-                             *sum((["--set", o] for o in overrides), [])],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _train(tmp_path, ray_tmp, overrides)
     lines: list[str] = []
     started = threading.Event()
 
@@ -140,12 +146,7 @@ def test_ctrl_c_before_training_ends_the_run_killed_and_exits_130(tmp_path):
     overrides = [f"data.train={tmp_path}/data/train/*.parquet", "data.eval=[]", "data.synth_rows=2000",
                  "grid.world_size=2", "grid.num_groups=2", "train.max_steps=5000", "train.batch_size=64",
                  "train.cpus_per_worker=0.25", f"tracking.tracking_uri={uri}", "tracking.experiment=test-ctrl-c"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmp, RECGRID_RUNS_DIR=str(tmp_path / "runs"))
-    proc = subprocess.Popen([sys.executable, "-m", "recgrid.cli", "train", str(REPO / "jobs/local_demo.yaml"),
-                             *sum((["--set", o] for o in overrides), [])],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _train(tmp_path, ray_tmp, overrides)
     lines: list[str] = []
     try:
         for line in proc.stdout:
