@@ -160,7 +160,8 @@ def row_audit(config, directory: Path, steps_lost: int = 0) -> dict:
     the batches read twice (a broken group's since its last sync step, every group's since a
     restored snapshot)."""
     from recgrid.data.stream import scan_inputs
-    from recgrid.train.rows import rank_positions, read_row_logs, reread_window
+    from recgrid.train.rows import rank_positions, read_row_logs
+    from recgrid.train.schedule import Schedule
 
     inputs = scan_inputs(config.data.train, config.dataset_spec())
     logs = read_row_logs(str(directory))
@@ -168,7 +169,7 @@ def row_audit(config, directory: Path, steps_lost: int = 0) -> dict:
     for rank in range(config.grid.world_size):
         positions = rank_positions(inputs, config.train.seed, config.train.batch_size, config.data.rows_per_unit,
                                    config.grid.world_size, rank, logs,
-                                   reread_window(config.grid.sync_every) + steps_lost)
+                                   Schedule(config.grid.sync_every).reread_window + steps_lost)
         out["batches"] += len(positions)
         out["skipped"] += max(positions, default=-1) + 1 - len(set(positions))
         out["read_again"] += len(positions) - len(set(positions))

@@ -203,8 +203,10 @@ def test_a_job_that_can_restore_gets_storage_checkpoints_every_30_minutes_by_def
     """train.checkpoint_every left null: for a job that survives failures, a checkpoint every
     CHECKPOINT_EVERY_S of training (at a sync step), whatever the job's length; none for a job
     that can never restore (train.max_failures=0) or a tower model. A written value is steps, a
-    multiple of K. What the job runs with is its param."""
-    from recgrid.config import CHECKPOINT_EVERY_S, CheckpointCadence
+    multiple of K. What the job runs with is its param, and what its workers get is the job's one
+    `Schedule`: K, both cadences, a stop check every first multiple of K from 5 steps on."""
+    from recgrid.config import CHECKPOINT_EVERY_S, CheckpointCadence, SnapshotCadence
+    from recgrid.train.schedule import Schedule
 
     base = ["data.train=data/train-*.tsv"]
 
@@ -226,6 +228,14 @@ def test_a_job_that_can_restore_gets_storage_checkpoints_every_30_minutes_by_def
         load_config(None, [*base, "grid.num_groups=2", "grid.sync_every=3", "train.checkpoint_every=5"])
     with pytest.raises(ConfigError, match=r"^train\.checkpoint_every: must be >= 0, got -5$"):
         load_config(None, [*base, "train.checkpoint_every=-5"])
+    job = load_config(None, [*base, "grid.num_groups=2", "grid.sync_every=3", "train.max_failures=2"])
+    schedule = Schedule.of_job(job)
+    assert (schedule.sync_every, schedule.checkpoints, schedule.snapshots) == (3, job.checkpoints, job.snapshots)
+    assert [s for s in range(1, 13) if schedule.checks_stop(s)] == [6, 12]  # the first multiple of 3 from 5 on
+    assert [Schedule(k).stop_check_every for k in (1, 5, 7)] == [5, 5, 7]
+    assert [s for s in range(1, 13) if schedule.syncs(s)] == [3, 6, 9, 12]
+    every_2nd = Schedule(3, snapshots=SnapshotCadence(every_syncs=2))
+    assert [s for s in range(3, 19, 3) if every_2nd.snapshot_sync(s)] == [6, 12, 18]
 
 
 def test_the_retired_fault_tolerance_keys_are_refused_with_a_sentence(data_dir, tmp_path) -> None:

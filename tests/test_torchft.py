@@ -211,7 +211,8 @@ def test_no_row_is_skipped_and_only_a_broken_groups_last_batches_are_read_again(
     epoch plan: together a prefix of it (no row skipped), and every batch read twice belongs to
     a failure of its group (consumed after the group's last noted sync step when it broke)."""
     from recgrid.data.stream import scan_inputs
-    from recgrid.train.rows import rank_positions, read_row_logs, reread_window
+    from recgrid.train.rows import rank_positions, read_row_logs
+    from recgrid.train.schedule import Schedule
 
     config = job["config"]
     inputs = scan_inputs(config.data.train, config.dataset_spec())
@@ -220,10 +221,10 @@ def test_no_row_is_skipped_and_only_a_broken_groups_last_batches_are_read_again(
     for rank in range(T):
         # matched in order: a batch may recur in a later epoch at another position
         positions = rank_positions(inputs, config.train.seed, B, config.data.rows_per_unit, T, rank, logs,
-                                   reread_window(K))
+                                   Schedule(K).reread_window)
         assert sorted(set(positions)) == list(range(max(positions) + 1)), rank  # a prefix: nothing skipped
         again = len(positions) - len(set(positions))
-        assert again <= (reread_window(K) - 1) * failures[rank], (rank, again, failures[rank])
+        assert again <= (Schedule(K).reread_window - 1) * failures[rank], (rank, again, failures[rank])
         if not failures[rank]:
             assert positions == list(range(len(positions)))  # in order, once each
 

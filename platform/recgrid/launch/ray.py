@@ -64,6 +64,7 @@ from recgrid.train.recovery.coordinator import RecoveryCoordinator
 from recgrid.train.recovery.holders import KEEP_GENERATIONS
 from recgrid.train.recovery.peers import Lighthouse, bind_host
 from recgrid.train.recovery.slots import remove_snapshot_files
+from recgrid.train.schedule import Schedule
 from recgrid.trainer_config import EngineConfig, LoopConfig
 
 
@@ -421,7 +422,7 @@ def fit_on_ray(config: JobConfig, tracker: Any, on_start: Any = None,
             train_inputs=train_inputs, eval_inputs=eval_inputs, run_id=tracker.run_id,
             tracking_uri=tracker.tracking_uri, control=actors.control, recovery=actors.recovery,
             run_name=config.run_name, resume_from=t.resume_from, row_log=config.data.row_log,
-            rows_per_unit=config.data.rows_per_unit, checkpoints=config.checkpoints, snapshots=config.snapshots,
+            rows_per_unit=config.data.rows_per_unit, schedule=Schedule.of_job(config),
             lighthouse=lighthouse.address,
             min_groups=config.min_groups, start_groups=runs.start_groups(placeable_groups(config)),
             log_model=config.tracking.log_model and config.model.towers is None,  # towers: no checkpoint, no model

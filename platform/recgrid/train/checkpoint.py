@@ -355,7 +355,7 @@ class Checkpointer:
     """Writes and reads the trainer's state. `root` is where checkpoints go outside Ray Train;
     inside it, Ray Train's storage context decides (`ray_storage=True`).
 
-    It owns the cadence of a job's checkpoints (`cadence`: every so many steps, or every so many
+    It acts on the job's checkpoint cadence (`cadence`, the `Schedule`'s: every so many steps, or every so many
     seconds of training; at sync steps): `wants(step)` is this worker's vote at a sync step, and
     `maybe_save(step, agreed)` writes when the writing group agreed on one (the replica
     component agrees the votes, `Replicas.agree`); `after_save(step, path)` runs once one is written.

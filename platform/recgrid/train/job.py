@@ -1,14 +1,14 @@
 """What the driver hands every worker of a job (`WorkerJob`): the job's configs, grid, inputs,
-actors and cadences, filled by `launch.ray.fit_on_ray` from the JobConfig."""
+actors and schedule, filled by `launch.ray.fit_on_ray` from the JobConfig."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from recgrid.config import CheckpointCadence, SnapshotCadence
 from recgrid.data.units import Inputs
 from recgrid.engine.grid import Grid
+from recgrid.train.schedule import Schedule
 from recgrid.trainer_config import EngineConfig, LoopConfig
 
 # set (to 1) in the driver's environment, every worker notes a checksum of its tables after the
@@ -37,8 +37,7 @@ class WorkerJob:
     resume_from: str | None
     row_log: str | None
     rows_per_unit: int
-    checkpoints: CheckpointCadence  # when the storage checkpoints are written (`JobConfig.checkpoints`)
-    snapshots: SnapshotCadence  # when the in-memory snapshots are taken (`JobConfig.snapshots`)
+    schedule: Schedule  # K, the checkpoint and snapshot cadences, the stop check (`Schedule.of_job`)
     lighthouse: str  # the job's torchft lighthouse (`train.recovery.peers.Lighthouse`, owned by the driver)
     min_groups: int  # the fewest live sharding groups that train (`JobConfig.min_groups`)
     start_groups: int  # the sharding groups the cluster holds at the job's start (the first quorum waits for them)

@@ -11,7 +11,6 @@ from collections import Counter
 from typing import Any, Callable
 
 from recgrid.engine.device import peak_memory_mb
-from recgrid.engine.sync import sync_step
 from recgrid.logs import progress_line
 from recgrid.tracking import Tracker
 from recgrid.train.control import Heartbeat
@@ -70,7 +69,7 @@ class Reporter:
     def step(self, step: int) -> None:
         """`FitHooks.after_step`: the throttled heartbeat, at sync steps only (no Ray call on the
         other steps' path; a logging step beats in `log`)."""
-        if sync_step(step, self.job.engine.sync_every):
+        if self.job.schedule.syncs(step):
             self.heartbeat.maybe_beat(step)
 
     def log_event(self, count: int, event: dict[str, Any], step: int, timestamp_ms: int | None = None) -> None:
@@ -207,7 +206,7 @@ class GroupReport:
         if not self.first_step_done:
             self.first_step_done = True
             self.events.record_start(self.live, logging=self.report is not None)
-        if sync_step(step, self.job.engine.sync_every):
+        if self.job.schedule.syncs(step):
             if live != self.synced_live or self.heal.sent != self.heals_sent:
                 # the live count changed, or this group healed a newcomer (which may rejoin before
                 # this group's quorum ever counted it gone)

@@ -11,14 +11,6 @@ from typing import Any
 from recgrid.data.units import DataCursor, EpochPlan, take_rows
 
 
-def reread_window(sync_every: int) -> int:
-    """How far back in its part a batch read again may lie: a rebuilt sharding group reads on from
-    its group's last noted sync step (`train.recovery.membership.GroupProgress`), so the batches of up to K - 1
-    committed steps after it, and those of the rounds that did not commit when it broke (one or
-    two), are read again."""
-    return sync_every + 2
-
-
 class RowLog:
     """Appends (step, row id) pairs of every trained row to `<dir>/rows-a<attempt>-r<rank>.bin`
     (int64 pairs, written per batch before its round commits, so a killed worker's file holds
@@ -66,7 +58,7 @@ def rank_positions(inputs: Any, seed: int, batch_size: int, rows_per_unit: int, 
     """Where each batch global rank `rank` logged (`read_row_logs`' arrays, its attempts in order)
     sits in its part of the job's epoch plan for `workers` workers, epoch after epoch (position k:
     the part's k-th batch over the epochs). Each is matched in order: the part's next batch, or
-    one of the `window` - 1 before it read again (`reread_window`); one that is neither is placed at its next
+    one of the `window` - 1 before it read again (`Schedule.reread_window`); one that is neither is placed at its next
     occurrence further on (a gap: the batches between were skipped). Synthetic row ids count
     rows over all files, as `scan_inputs` lists them."""
     import numpy as np

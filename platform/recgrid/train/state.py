@@ -87,7 +87,7 @@ class FitHooks:
         cadence (`Snapshotter.maybe_snapshot`, `Checkpointer.maybe_save`, heartbeats).
     stop_requested(trainer): this worker's view of a stop request (`train.control`'s codes: 0
         none, STOP_FINISH or True, STOP_NOW), read at every stop check (every logging interval,
-        and every `stop_check_steps(K)` steps); the trainer's replica component agrees on it
+        and every `Schedule.stop_check_every` steps); the trainer's replica component agrees on it
         (`Replicas.agree_stop`, the largest code wins). STOP_FINISH ends training at a logging
         interval, as if max_steps were reached; STOP_NOW (an interrupt) at the first check at a
         sync step (a multiple of K), with no evaluation, and sets `Trainer.interrupted`.

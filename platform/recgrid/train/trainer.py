@@ -15,8 +15,8 @@ sharded form so that DCP can reshard them. The loop never knows which source a r
 local launcher, benchmarks) and a sharding group meeting its peers through torchft (every Ray
 job) is a component the loop calls (`Replicas`: start of a round, commit, replica sync, metric
 reduction, stop agreement; `train.recovery.peers.TorchftReplicas` for torchft). What runs at a
-step's end and owns its own cadence (snapshots, storage checkpoints, heartbeats) is handed in as
-`FitHooks.after_step`. The sharding plan is the job's, made once and replayed
+step's end on a cadence of the job's `Schedule` (`train.schedule`: snapshots, storage checkpoints,
+heartbeats) is handed in as `FitHooks.after_step`. The sharding plan is the job's, made once and replayed
 (`engine.sharding.make_plan`); a trainer built without one agrees on one with its peers.
 
 On CUDA (`engine.device` decides every CPU/GPU difference) steps run through TorchRec's
@@ -45,23 +45,14 @@ from recgrid.engine.model import build_model
 from recgrid.engine.optimizer import dense_optimizer
 from recgrid.engine.sharding import agree_on_plan, plan_record, shard_model
 from recgrid.engine.sptt import shard_tower_model
-from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, embedding_weights, optimizer_states, sync_step
+from recgrid.engine.sync import ProcessGroupSum, ReplicaSync, embedding_weights, optimizer_states
 from recgrid.engine.towers import tower_plan
 from recgrid.train.control import STOP_NOW
 from recgrid.train.metrics import EvalMetrics, TrainMetrics, reduce_metrics
 from recgrid.train.pipeline import BatchFeeder, RoundCommit
+from recgrid.train.schedule import Schedule
 from recgrid.train.state import FitHooks, LoopResult, Snapshot, StepOutput, TrainerState
 from recgrid.trainer_config import EngineConfig, LoopConfig
-
-STOP_CHECK_MIN_STEPS = 5  # the fewest steps between two stop checks (`stop_check_steps`)
-
-
-def stop_check_steps(sync_every: int) -> int:
-    """Steps between two stop checks (besides every logging step): the first multiple of K from
-    STOP_CHECK_MIN_STEPS on, so an interrupted job stops where the replicas were just synced, and
-    a check (one small collective) is never paid every step."""
-    return sync_every * max(1, -(-STOP_CHECK_MIN_STEPS // sync_every))
-
 
 class Replicas:
     """How a trainer's steps agree with the other model copies: the part of a step that differs
@@ -95,7 +86,7 @@ class Replicas:
 
     def _local_votes(self, step: int) -> dict[str, bool]:
         """This worker's votes at `step` (a sync step), and none between them."""
-        ends_block = sync_step(step, self.trainer.config.sync_every)
+        ends_block = self.trainer.schedule.syncs(step)
         return {name: ends_block and bool(vote(step)) for name, vote in self.votes.items()}
 
     def start_round(self) -> str:
@@ -139,11 +130,16 @@ class Trainer:
     the loop: None = the device's (`engine.device.pipelined`: TorchRec's TrainPipelineSparseDist
     on CUDA, the plain loop on CPU); True or False to compare the two (the pipelined loop also
     runs on CPU with gloo, without streams to overlap on: tests check its step accounting there).
+    `schedule` is the job's (`Schedule.of_job`); None = K's alone (`config.sync_every`).
     """
 
     def __init__(self, grid: Grid, groups: GridGroups, config: EngineConfig, device: torch.device,
-                 plan: Any = None, pipeline: bool | None = None) -> None:
+                 plan: Any = None, pipeline: bool | None = None, schedule: Schedule | None = None) -> None:
         self.grid, self.groups, self.config, self.device = grid, groups, config, device
+        self.schedule = schedule if schedule is not None else Schedule(config.sync_every)
+        if self.schedule.sync_every != config.sync_every:
+            raise ValueError(f"the schedule's K={self.schedule.sync_every} is not the engine's "
+                             f"sync_every={config.sync_every}")
         self.rank = groups.coords.rank
         self.precision = resolve_precision(device, config.precision)
         configure_matmul(device, self.precision)  # before any kernel runs; refuses tf32/bf16 off CUDA
@@ -167,7 +163,7 @@ class Trainer:
         self.dense_optimizer = dense_optimizer(config.dense_optimizer, dense, config.dense_lr)
         self.state = TrainerState()
         self.replica_sync = ReplicaSync.of_model(self.model, ProcessGroupSum(groups.replica_pg, grid.num_groups),
-                                                 config.sync_every, delayed_moment_sync=config.delayed_moment_sync,
+                                                 self.schedule.sync_every, delayed_moment_sync=config.delayed_moment_sync,
                                                  state=self.state.sync)
         # sharding groups initialise their shards independently: start from one copy
         self.replica_sync.align()
@@ -183,11 +179,11 @@ class Trainer:
 
     @classmethod
     def build(cls, grid: Grid, config: EngineConfig, device: torch.device, plan: Any = None,
-              pipeline: bool | None = None) -> "Trainer":
+              pipeline: bool | None = None, schedule: Schedule | None = None) -> "Trainer":
         """Build the grid's process groups and the trainer (the whole default group trains)."""
         groups = grid.build_process_groups(device.type)
         assert groups is not None, "build() is for grids that span the whole default group"
-        return cls(grid, groups, config, device, plan, pipeline)
+        return cls(grid, groups, config, device, plan, pipeline, schedule)
 
     # ---- one step ---------------------------------------------------------------------------------
     def train_step(self, batch: Any) -> StepOutput:
@@ -402,7 +398,7 @@ class Trainer:
 
         self.metrics.reset_interval()
         self.interrupted = False
-        check_every = stop_check_steps(self.config.sync_every)
+        schedule = self.schedule
         stop = 0
         while st.step < loop.max_steps and not stop:
             steps_left, batches = data.segment_batches(st.cursor)
@@ -425,10 +421,10 @@ class Trainer:
                     values.update(self.exchange.metrics(self.groups.global_pg, self.device))
                     self.metrics.reset_interval()
                     log(values)
-                if logs or st.step % check_every == 0:
+                if logs or schedule.checks_stop(st.step):
                     mine = hooks.stop_requested(self) if hooks.stop_requested is not None else 0
                     stop = self.replicas.agree_stop(int(mine))
-                    if stop == STOP_NOW and not sync_step(st.step, self.config.sync_every):
+                    if stop == STOP_NOW and not schedule.syncs(st.step):
                         stop = 0  # an interrupt ends where the replicas were just synced (a checkpoint may follow)
                     elif stop != STOP_NOW and not logs:
                         stop = 0  # a graceful stop waits for a logging step

@@ -121,7 +121,7 @@ def train_group_worker(cfg: dict) -> None:
     before = ray.get(control.group_status.remote(g)) if replacement else {}  # the group's last commit before it failed
     # the whole model over the sharding group: TorchRec's DMP over its L workers (the default process group),
     # in the device's loop (TorchRec's pipeline on CUDA, whose optimizer step is the round's commit)
-    trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan)
+    trainer = Trainer.build(Grid(L, 1), job.engine, device, job.plan, schedule=job.schedule)
     if audit is not None:
         audit.step_of = lambda: trainer.state.step
     heal = HealTransport(trainer, g, own_cursor=lambda: ray.get(control.group_status.remote(g)).get("cursor"))
@@ -141,7 +141,7 @@ def train_group_worker(cfg: dict) -> None:
     # no live group is ahead (a host loss under host-local, any failure at M = 1)
     snapshotter, holders = group_snapshots(job, trainer)
     # storage checkpoints: written by the live group of quorum rank 0, read when no live group or snapshot is left
-    checkpointer = Checkpointer(ray_storage=True, cadence=job.checkpoints, trainer=trainer)
+    checkpointer = Checkpointer(ray_storage=True, cadence=job.schedule.checkpoints, trainer=trainer)
     fallback = StorageFallback(checkpointer, control, job.recovery, g, s, job.resume_from, holders,
                                agreed=lambda name: trainer.replicas.agreed(name))
     progress = GroupProgress(control, g, s, trainer)

@@ -27,7 +27,6 @@ import numpy as np
 
 from recgrid.config import SnapshotCadence
 from recgrid.engine.device import HostCopy, pin_host_memory
-from recgrid.engine.sync import sync_step
 from recgrid.train.control import LazyActor
 from recgrid.train.recovery.slots import (SnapshotDirRefused, allocate_slot_files, array_view, digest,
                                           make_node_dir, map_slot, read_slot, remove_node_dir, shard_layout,
@@ -395,12 +394,12 @@ class Snapshotter(_WorkerSide):
         self._sync_at = now
         if not self.enabled or not self.writes():
             return False
-        K = self.trainer.config.sync_every
+        schedule = self.trainer.schedule
         if not self.cadence.measured:
-            return (step // K) % self.cadence.every_syncs == 0
+            return schedule.snapshot_sync(step)
         if self.last_step is None or not self.seconds or not self._sync_s:
             return self._sync_s is not None  # the first, once a sync interval is measured
-        return (step - self.last_step) // K >= self.syncs_apart()
+        return schedule.syncs_between(self.last_step, step) >= self.syncs_apart()
 
     def syncs_apart(self) -> int:
         """Syncs between two snapshots of a measured cadence: the newest snapshot's cost over
@@ -411,7 +410,7 @@ class Snapshotter(_WorkerSide):
 
     def maybe_snapshot(self, step: int) -> None:
         self._land()
-        if self.enabled and sync_step(step, self.trainer.config.sync_every) and self.agreed("snapshot"):
+        if self.enabled and self.trainer.schedule.syncs(step) and self.agreed("snapshot"):
             t0 = time.perf_counter()
             with self.trainer.metrics.timer.phase("snapshot"):
                 self.snapshot()
@@ -613,13 +612,13 @@ def group_snapshots(job: "WorkerJob", trainer: "Trainer") -> tuple[Any, Any]:
     import ray
     import torch.distributed as dist
 
-    if not job.snapshots.on:
+    if not job.schedule.snapshots.on:
         return None, None
     grid, groups = trainer.grid, trainer.groups
     nodes: list[Any] = [None] * grid.world_size
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     control = job.control
-    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, nodes, job.snapshots,
+    snapshotter = Snapshotter(trainer, job.recovery, grid, groups, nodes, job.schedule.snapshots,
                               writes=lambda: trainer.replicas.evaluates(),
                               agreed=lambda name: trainer.replicas.agreed(name),
                               say=lambda msg: control.say.remote(f"[recgrid] {msg}"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from recgrid.engine.sync import sync_step
 from recgrid.train.job import WorkerJob
 from recgrid.train.trainer import Trainer
 
@@ -37,7 +36,7 @@ class GroupProgress:
         self._answer: Any = None  # the newest note's reply, not read yet
 
     def note(self, step: int) -> None:
-        if self.shard != 0 or not sync_step(step, self.trainer.config.sync_every):
+        if self.shard != 0 or not self.trainer.schedule.syncs(step):
             return
         self._read()
         self._answer = self.control.group_progress.remote(self.group, step, self.trainer.state.cursor.state_dict(),

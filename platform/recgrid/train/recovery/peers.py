@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from recgrid.engine.device import process_group_backend
 from recgrid.engine.optimizer import moment_scale_for
-from recgrid.engine.sync import InFlight, ReplicaSync, embedding_kernels, sync_step
+from recgrid.engine.sync import InFlight, ReplicaSync, embedding_kernels
 from recgrid.train.metrics import reduce_metrics
 from recgrid.train.recovery.slots import digest
 from recgrid.train.state import Snapshot
@@ -309,7 +309,7 @@ class TorchftReplicas(Replicas):
         # the replica sync over the live groups (the trainer's own: its grid is one sharding group)
         trainer.replica_sync = ReplicaSync(trainer.replica_sync.weights, trainer.replica_sync.states,
                                            ManagerSum(manager, lambda: self.live or 1, trainer.device),
-                                           trainer.config.sync_every, trainer.config.delayed_moment_sync,
+                                           trainer.schedule.sync_every, trainer.config.delayed_moment_sync,
                                            state=trainer.state.sync)
         self._landing: InFlight | None = None  # a committed round's table average, to land in `sync`
         self._meet_next = False  # a round did not commit: the next one meets the live groups, whatever its step
@@ -319,7 +319,7 @@ class TorchftReplicas(Replicas):
 
     def start_round(self) -> str:
         t = self.trainer
-        block_start = sync_step(t.state.step, t.config.sync_every)
+        block_start = t.schedule.syncs(t.state.step)
         if self.left is not None:  # a node is being drained: the group leaves after its sync step (`commit`)
             return "end"
         meet = self.live is None or self._meet_next or (block_start and self._quorum_next)
@@ -387,7 +387,7 @@ class TorchftReplicas(Replicas):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        ends_block = sync_step(step, t.config.sync_every)
+        ends_block = t.schedule.syncs(step)
         # a sync step: a drain check when the group agreed on one at its last sync (every DRAIN_CHECK_S;
         # Ray Train's notice is a collective over the run's workers); the next block's start asks for a
         # quorum when a group waits to join or this one leaves; the next sync checks a drain when due

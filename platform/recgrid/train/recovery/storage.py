@@ -40,7 +40,7 @@ class StorageFallback:
 
     def maybe_save(self, step: int, writes: bool) -> None:
         """At a checkpoint step the group agreed on, the live group of quorum rank 0 (`writes`)
-        writes one (collective over its workers; the checkpointer owns the cadence)."""
+        writes one (collective over its workers; the checkpointer keeps the cadence)."""
         if writes:
             self.checkpointer.maybe_save(step, self.agreed("checkpoint"))
 
