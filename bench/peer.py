@@ -7,7 +7,12 @@ the job's first epoch, read from the demo's parquet files into memory before tim
 - `bare_dmp` (M = 1): TorchRec's `DistributedModelParallel` over all T processes, a plain loop
   (forward, backward, dense optimizer step);
 - `bare_dmp_warm`: the same loop in processes where a recgrid `Trainer` of the same shape was built
-  (and dropped) first: the issue's "a bare loop ran 12-15% faster after recgrid's trainer" check;
+  (and dropped) first: the issue's "a bare loop ran 12-15% faster after recgrid's trainer" check.
+  What made it faster was the ranks meeting before they build: a `dist.barrier()` alone (or any
+  `dist.new_group`, which holds one) gave the same 1.11-1.13x (2026-12-04, 3 alternating runs each;
+  glibc's mmap threshold fixed by `mallopt` 1.05x, importing the trainer without building it 1.04x:
+  within the runs' spread). Every bare loop here meets first, as recgrid's workers do when they build
+  their process groups, so this variant now checks that the reference is the fast one (about 1.0x);
 - `bare_2d` (M = 2, L = 2): a DMP per sharding group over TorchRec's 2-D env (`ShardingEnv2D`: the dense
   part data-parallel over all T by DDP, as TorchRec's `DMPCollection` builds it, which runs on CUDA only),
   and a plain process-group average of the tables and moments every K steps;
@@ -72,6 +77,8 @@ def bare_probe(cfg, M: int, warm: bool) -> float:
     from recgrid.launch.ray import job_plan
     from recgrid.trainer_config import EngineConfig
 
+    # the ranks meet before they build: without it the same loop ran 11-13% slower (module docstring)
+    dist.barrier()
     rank = dist.get_rank()
     grid = Grid(T, M)
     engine = EngineConfig.from_job(cfg)

@@ -183,9 +183,10 @@ FAILURE_FREE = {
 }
 
 
-def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
+def run_failure_free(tmp: Path, model: str, reps: int, variants: list[str]) -> dict:
     """What fault tolerance costs when nothing fails: the demo's shape (T=4, M=2, K=5, 400 steps
-    of 256 rows per worker), failure-free, `reps` jobs per variant of FAILURE_FREE, alternating.
+    of 256 rows per worker), failure-free, `reps` jobs per variant of FAILURE_FREE named in
+    `variants`, alternating.
     Per job: its wall seconds (start to end, evaluations included), the median of its logged
     `train/qps` and its final eval NE; per variant, the median QPS over the mechanism-free job's."""
     import statistics
@@ -195,10 +196,11 @@ def run_failure_free(tmp: Path, model: str, reps: int) -> dict:
     from recgrid.config import load_config
     from recgrid.launch.ray import run_job
 
-    jobs: dict[str, list[dict]] = {name: [] for name in FAILURE_FREE}
+    jobs: dict[str, list[dict]] = {name: [] for name in variants}
     paths = {}
     for rep in range(reps):
-        for name, overrides in FAILURE_FREE.items():
+        for name in variants:
+            overrides = FAILURE_FREE[name]
             config = load_config(REPO / "jobs/local_demo.yaml", [
                 f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",
                 f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment=bench-failure-free-{model}",
@@ -348,6 +350,8 @@ def main() -> None:
                     help="torchft: a killed worker's group rebuilt while the others train; failure_free: wall "
                          "seconds and QPS when nothing fails")
     ap.add_argument("--failure-free-reps", type=int, default=3, help="failure_free: jobs per variant")
+    ap.add_argument("--failure-free-variants", default=",".join(FAILURE_FREE),
+                    help="failure_free: the variants that alternate (off is always one: the ratios' base)")
     ap.add_argument("--kill-after-step", type=int, default=41,
                     help="torchft_quality: kill once the job passed this step")
     ap.add_argument("--recovery-kill-step", type=int, default=300,
@@ -364,6 +368,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (runs, checkpoints, MLflow store: about 10 GB for the 1 GB model)")
     a = ap.parse_args()
+    ff_variants = ["off"] + [v for v in a.failure_free_variants.split(",") if v and v != "off"]
+    unknown = [v for v in ff_variants if v not in FAILURE_FREE]
+    if unknown:
+        raise SystemExit(f"--failure-free-variants: unknown {unknown}; the variants are {', '.join(FAILURE_FREE)}")
 
     import ray
 
@@ -402,7 +410,8 @@ def main() -> None:
         for model in a.models.split(","):
             for source in a.sources.split(","):
                 if source == "failure_free":
-                    results.setdefault(model, {})[source] = run_failure_free(tmp, model, a.failure_free_reps) | {
+                    results.setdefault(model, {})[source] = run_failure_free(tmp, model, a.failure_free_reps,
+                                                                               ff_variants) | {
                         "command": command}
                     print(json.dumps(results[model][source]), file=sys.stderr, flush=True)
                     save()
