@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 from recgrid.engine.quiet import LIBRARIES, quiet
 from recgrid.engine.quiet import libraries_quiet as quiet_for_a_while
@@ -22,7 +23,9 @@ def quiet_libraries() -> None:
 
 def libraries_quiet() -> contextlib.AbstractContextManager[None]:
     """`quiet_libraries` for a while, in a process that goes on (the driver unsharding and logging a
-    model): their warnings and their loggers' notes below ERROR, restored afterwards."""
+    model): their warnings and their loggers' notes below ERROR, restored afterwards; and no MLflow
+    artifact progress bar (a line per file, redrawn), unless the user's environment asks for one."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     return quiet_for_a_while(LIBRARIES + ("torch.fx._symbolic_trace", "mlflow"))
 
 

@@ -255,7 +255,6 @@ def load_model(ref: str, config_path: str | None = None, overrides: list[str] | 
         return read_model_dir(ref)
     if ":/" not in ref and (os.sep in ref or ref.startswith(".")):
         raise SystemExit(f"recgrid: {ref}: no such checkpoint or model directory")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a line per file, redrawn, otherwise
     mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
     uri = ref if ":/" in ref else f"runs:/{ref}/model"
     with tempfile.TemporaryDirectory(prefix="recgrid-model-") as tmp:  # 0700: the weights stay this user's
