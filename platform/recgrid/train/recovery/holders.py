@@ -31,7 +31,6 @@ from recgrid.train.control import LazyActor
 from recgrid.train.recovery.slots import (SnapshotDirRefused, allocate_slot_files, array_view, digest,
                                           make_node_dir, map_slot, read_slot, remove_node_dir, shard_layout,
                                           slot_files, snapshot_dir, tensor_view, write_into)
-from recgrid.train.state import Snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -225,7 +224,8 @@ class SnapshotHolderImpl:
             self.generations[step][key] = {**slot, "layout": layout}
             self.digests[(step, key)] = checksum
             self.sizes[(step, key)] = sum(int(a.nbytes) for a in arrays)
-        self._forward(keeper, step, key, [ray.put(arrays)], checksum)
+        if keeper is not None:  # the copy for another host only (a host alone keeps none)
+            self._forward(keeper, step, key, [ray.put(arrays)], checksum)
 
     def inventory(self) -> dict[int, list[str]]:
         return {step: sorted(keys) for step, keys in self.generations.items()}
@@ -584,6 +584,10 @@ class HolderRestore(_WorkerSide):
             where.update(plan.get("windows", {}))
             windows = [fetch(k) for k in plan.get("windows", {})]
             window = torch.from_numpy(np.sum(windows, axis=0)) if windows else None
+        # cold start: a host's holder is an actor process of this module that never needs torch
+        # (train.state imports it: 1.3 core-s of the holder's start, off a rebuilt group's first step)
+        from recgrid.train.state import Snapshot
+
         trainer.load_snapshot(Snapshot(shard=[tensor_view(a) for a in shard],
                                        dense={k: tensor_view(v) for k, v in dense.items()},
                                        progress=progress["progress"], window=None), window)
