@@ -133,8 +133,7 @@ def check_snapshot_copy(a: argparse.Namespace) -> dict:
             if out["rep1"]["host_issue_s"] > 0.5 * out["rep1"]["landed_s"]:
                 bad.append("pinned copies held the host for most of their time")
             undo()
-        del buf
-        mm.close()
+        del buf, mm  # unmapped once unreferenced (closing it while views of it live would raise)
     finally:
         import shutil
 

@@ -363,7 +363,7 @@ def _managers(n: int, body, min_replicas: int | None = None, heartbeat_timeout_m
             # moment rule, its replica sync's tensors (none here: a body hands its own) and its state
             trainer = SimpleNamespace(device=torch.device("cpu"), model=torch.nn.Module(),
                                       schedule=Schedule(1),
-                                      config=SimpleNamespace(sync_every=1, delayed_moment_sync=True),
+                                      config=SimpleNamespace(delayed_moment_sync=True),
                                       replica_sync=SimpleNamespace(weights=[], states=[]),
                                       state=SimpleNamespace(sync=SyncState()))
             reps = TorchftReplicas(trainer, manager, heal=None, listener=None, replica_pg=pg)
