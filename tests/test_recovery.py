@@ -448,6 +448,7 @@ def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, mon
     holder = holders.SnapshotHolderImpl("node-a", "run-1")
     written = {}
     used = []
+    cpu_before = 0.0
     for step in (5, 10, 15):
         tensors = [torch.full((7, 3), float(step)), torch.arange(step, dtype=torch.int64)]
         layout, nbytes = slots.shard_layout(tensors)
@@ -461,7 +462,9 @@ def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, mon
             buf[off:off + raw.size] = raw
         buf.flush()
         del buf
-        holder.commit(step, "shard/0", slot, layout)
+        cpu = holder.commit(step, "shard/0", slot, layout)
+        assert cpu >= cpu_before  # the holder's CPU seconds so far: the writers' measure of a snapshot's cost
+        cpu_before = cpu
         written[step] = [t.numpy().copy() for t in tensors]
     assert used == [0, 1, 0]
     assert sorted(holder.inventory()) == [10, 15]  # the oldest went; its slot was reused
@@ -476,6 +479,24 @@ def test_holder_slots_alternate_keep_two_generations_and_read_back(tmp_path, mon
     assert slot["slot"] == 1 and holder.inventory()[20] == []
     holder.close()
     assert holder.files() == [] and not (tmp_path / "recgrid-snapshots-run-1").exists()
+
+
+def test_a_measured_snapshot_cadence_counts_the_holders_cpu_beside_the_writers_time():
+    """The syncs between two snapshots cover their whole cost at 2% of the sync interval: the
+    writer's time on the step's path and the CPU its host's holder spends per snapshot."""
+    from types import SimpleNamespace
+
+    from recgrid.config import SnapshotCadence
+    from recgrid.train.recovery import holders
+
+    cadence = SnapshotCadence(measured=True)
+    s = holders.Snapshotter(None, None, None, SimpleNamespace(coords=SimpleNamespace(rank=0)), ["node-a"], cadence)
+    s.seconds, s._sync_s = [0.004], 0.25  # 2% of the interval: 5 ms
+    assert s.syncs_apart() == 1
+    s.holder_s = 0.02  # 24 ms in all
+    assert s.syncs_apart() == 5
+    s.holder_s = 10.0
+    assert s.syncs_apart() == cadence.max_syncs
 
 
 def test_holder_without_shared_memory_says_so(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ class ConfigError(ValueError):
 
 # the derived cadences (`JobConfig.checkpoints`, `JobConfig.snapshots`), decided here
 CHECKPOINT_EVERY_S = 1800.0  # a storage checkpoint every 30 minutes of training
-SNAPSHOT_STEP_FRACTION = 0.02  # in-memory snapshots cost at most this share of the step time on the step's path
+SNAPSHOT_STEP_FRACTION = 0.02  # in-memory snapshots cost at most this share of the step time (path + holder CPU)
 SNAPSHOT_MAX_SYNCS = 20  # ... and are never more than this many replica syncs apart
 
 
@@ -70,8 +70,9 @@ class CheckpointCadence:
 @dataclass(frozen=True)
 class SnapshotCadence:
     """When the in-memory snapshots are taken, at committed replica syncs: every `every_syncs`
-    syncs, or with `measured` as often as keeps their cost on the step's path at or under
-    `step_fraction` of the step time, at most `max_syncs` syncs apart; neither: none."""
+    syncs, or with `measured` as often as keeps their cost (the writer's time on the step's path
+    and its host holder's CPU: `Snapshotter.syncs_apart`) at or under `step_fraction` of the step
+    time, at most `max_syncs` syncs apart; neither: none."""
 
     every_syncs: int = 0
     measured: bool = False

@@ -191,9 +191,10 @@ class TrainConfig:
     positions and a copy of another host's (a ring over the hosts), so a lost host is restored from memory, at
     most one snapshot interval back: every this many blocks of K steps; 0 = none. null = derived: on for a job
     that can restore (train.max_failures > 0) and whose host loss can take every live copy of a shard
-    (host-local at any M, M = 1 under either layout), every as many syncs as keep the snapshots' cost on the
-    step's path at or under 2% of the step time (measured as the job runs), at most 20 syncs apart; else 0 (an
-    inter-host job of M >= 2 heals a lost host's group from a live peer)."""
+    (host-local at any M, M = 1 under either layout), every as many syncs as keep the snapshots' cost (the
+    writing workers' time in them on the step's path and the host holder's CPU) at or under 2% of the step
+    time (measured as the job runs), at most 20 syncs apart; else 0 (an inter-host job of M >= 2 heals a lost
+    host's group from a live peer)."""
     checkpoint_every: int | None = None
     """Steps between storage checkpoints (torch.distributed.checkpoint, under train.storage_path), the
     fallback when no live sharding group and no in-memory copy is left (a host and the host that keeps its

@@ -163,9 +163,13 @@ class SnapshotHolderImpl:
             print(f"[recgrid] the copy of {key}@{step} for another host was not kept there: {type(e).__name__}",
                   file=sys.stderr, flush=True)
 
-    def put_many(self, step: int, payload: dict[str, Any], keeper: Any = None) -> None:
+    def put_many(self, step: int, payload: dict[str, Any], keeper: Any = None) -> float:
+        """Hold each of `payload`'s keys (`put`). Returns this holder process's CPU seconds so far,
+        Ray's threads in it included (the writers' measure of what a snapshot costs the host:
+        `Snapshotter.holder_s`)."""
         for key, value in payload.items():
             self.put(step, key, value, keeper)
+        return time.process_time()
 
     def keep(self, step: int, key: str, held: list, checksum: str, origin: str) -> None:
         """Keep a copy of host `origin`'s payload `key` (its holder forwards everything its workers
@@ -206,11 +210,12 @@ class SnapshotHolderImpl:
     def _allocate(self, key: str, nbytes: int) -> list[str] | None:
         return None if self.root is None else allocate_slot_files(self.root, key, nbytes)
 
-    def commit(self, step: int, key: str, slot: dict[str, Any], layout: list, keeper: Any = None) -> None:
+    def commit(self, step: int, key: str, slot: dict[str, Any], layout: list, keeper: Any = None) -> float:
         """The writer finished writing generation `step`'s `key` into one of the key's slot files:
         held, with its checksum as written (off the writer's clock: the writer waits for it only at
         its next snapshot), and a copy goes to `keeper`, if named. A kept generation whose copy of
-        `key` was in that slot file lost it (overwritten)."""
+        `key` was in that slot file lost it (overwritten). Returns the process's CPU seconds, as
+        `put_many` does."""
         import ray
 
         arrays = read_slot(slot["path"], layout)
@@ -220,12 +225,13 @@ class SnapshotHolderImpl:
                 if s != step and isinstance(g.get(key), dict) and g[key]["slot"] == slot["slot"]:
                     del g[key]
             if not self._admit(step):
-                return
+                return time.process_time()
             self.generations[step][key] = {**slot, "layout": layout}
             self.digests[(step, key)] = checksum
             self.sizes[(step, key)] = sum(int(a.nbytes) for a in arrays)
         if keeper is not None:  # the copy for another host only (a host alone keeps none)
             self._forward(keeper, step, key, [ray.put(arrays)], checksum)
+        return time.process_time()
 
     def inventory(self) -> dict[int, list[str]]:
         return {step: sorted(keys) for step, keys in self.generations.items()}
@@ -356,9 +362,11 @@ class Snapshotter(_WorkerSide):
     the group, `Replicas.agree`), and `maybe_snapshot(step)` (after every committed step) acts on
     the agreed one. A measured cadence takes the next snapshot when the syncs since the last are at
     least cost / (step_fraction x the sync interval's seconds), never fewer than 1 nor more than
-    `max_syncs`. `say(line)`, if given, tells the job's log why a host's holder keeps no slot files,
-    from one worker per host; `pin(step)`, if given, names each snapshot's step a restore point
-    (`JobControl.pin`), from the group's shard rank 0."""
+    `max_syncs`. A snapshot's cost is this worker's time in it on the step's path plus its host's
+    holder process's CPU seconds per snapshot (`holder_s`; its idle CPU included, an over-count),
+    counted in full: on a host whose cores all train, the holder's CPU comes out of training. `say(line)`, if given, tells the job's
+    log why a host's holder keeps no slot files, from one worker per host; `pin(step)`, if given,
+    names each snapshot's step a restore point (`JobControl.pin`), from the group's shard rank 0."""
 
     def __init__(self, trainer: "Trainer", coordinator: Any, grid: "Grid", groups: "GridGroups",
                  nodes: Sequence[str], cadence: SnapshotCadence, writes: Any = None, agreed: Any = None,
@@ -375,6 +383,8 @@ class Snapshotter(_WorkerSide):
         self._next_slot: dict[str, int] = {}  # key -> the slot its next snapshot writes (asked once, then alternating)
         self.snapshots, self.last_step = 0, None
         self.seconds: list[float] = []  # each snapshot's time on this worker's step path
+        self.holder_s = 0.0  # the host's holder process's CPU seconds per snapshot, newest measure (`_settle`)
+        self._holder_cpu: tuple[float, int] | None = None  # (the holder's CPU seconds, snapshots settled) then
         self._asked: tuple[Any, Any] = (None, None)  # `prepare`'s calls to the holder, answered at the first snapshot
         self._sync_at: float | None = None
         self._sync_s: float | None = None  # the newest sync interval's seconds (the cadence's measure)
@@ -402,10 +412,12 @@ class Snapshotter(_WorkerSide):
         return schedule.syncs_between(self.last_step, step) >= self.syncs_apart()
 
     def syncs_apart(self) -> int:
-        """Syncs between two snapshots of a measured cadence: the newest snapshot's cost over
-        `step_fraction` of the newest sync interval, in 1 .. `max_syncs`."""
+        """Syncs between two snapshots of a measured cadence: the newest snapshot's cost (its time
+        on the step's path and the holder's CPU for one) over `step_fraction` of the newest sync
+        interval, in 1 .. `max_syncs`."""
         c = self.cadence
-        need = math.ceil(self.seconds[-1] / (c.step_fraction * max(self._sync_s or 0.0, 1e-9)))
+        cost = self.seconds[-1] + self.holder_s
+        need = math.ceil(cost / (c.step_fraction * max(self._sync_s or 0.0, 1e-9)))
         return max(1, min(c.max_syncs, need))
 
     def maybe_snapshot(self, step: int) -> None:
@@ -536,8 +548,13 @@ class Snapshotter(_WorkerSide):
 
         self._land(wait=True)
         if self._inflight:
-            ray.get(self._inflight)
+            done = ray.get(self._inflight)
             self._inflight = []
+            cpu = max((x for x in done if isinstance(x, float)), default=None)
+            if cpu is not None:  # the holder's CPU since the last settle, per snapshot settled since
+                if self._holder_cpu is not None and self.snapshots > self._holder_cpu[1]:
+                    self.holder_s = max(0.0, cpu - self._holder_cpu[0]) / (self.snapshots - self._holder_cpu[1])
+                self._holder_cpu = (cpu, self.snapshots)
 
     def close(self) -> None:
         self._settle()
