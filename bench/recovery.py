@@ -186,7 +186,8 @@ FAILURE_FREE = {
 def run_failure_free(tmp: Path, model: str, reps: int, variants: list[str]) -> dict:
     """What fault tolerance costs when nothing fails: the demo's shape (T=4, M=2, K=5, 400 steps
     of 256 rows per worker), failure-free, `reps` jobs per variant of FAILURE_FREE named in
-    `variants`, alternating.
+    `variants`, alternating (in reverse order every other round, so a drift of the host's speed
+    over the run falls alike on every variant).
     Per job: its wall seconds (start to end, evaluations included), the median of its logged
     `train/qps` and its final eval NE; per variant, the median QPS over the mechanism-free job's."""
     import statistics
@@ -199,7 +200,7 @@ def run_failure_free(tmp: Path, model: str, reps: int, variants: list[str]) -> d
     jobs: dict[str, list[dict]] = {name: [] for name in variants}
     paths = {}
     for rep in range(reps):
-        for name in variants:
+        for name in (variants if rep % 2 == 0 else variants[::-1]):
             overrides = FAILURE_FREE[name]
             config = load_config(REPO / "jobs/local_demo.yaml", [
                 f"data.train={tmp}/data/demo/train/*.parquet", f"data.eval={tmp}/data/demo/eval/*.parquet",

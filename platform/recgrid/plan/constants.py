@@ -220,7 +220,7 @@ SOURCES: dict[str, Source] = {
         "bench/recovery.py --sources failure_free -> bench/results/recovery.json, "
         "`results.tiny.failure_free.jobs.failures_allowed`",
         "The demo job (T = 4, M = 2, 400 steps) with train.max_failures=2: its in-memory snapshots at their derived "
-        "cadence (28-31 a job), the writing worker's seconds in the snapshot phase over the snapshots it took "
+        "cadence (10-12 a job), the writing worker's seconds in the snapshot phase over the snapshots it took "
         "(copy into the slot files, checksum, the holder's copy for the next host awaited): SNAPSHOT_COST_S."),
     "snapshot_copy": Source(
         "bench/simulate.py -> bench/results/simulate.json, `snapshot_copy`",
@@ -353,8 +353,8 @@ HEAL_S = 0.499  # recovery.json results.tiny.torchft.seconds.heal
 CHECKPOINT_COST_S = 1.447 / 10
 # Measured here (SOURCES["snapshot_cost"]): the demo's peer-memory snapshots, recovery.json
 # results.tiny.failure_free.jobs.failures_allowed: each job's snapshot seconds (`time/snapshot_s` summed, the
-# writing worker's) over its snapshots, the mean over the three jobs.
-SNAPSHOT_COST_S = (0.119 / 28 + 0.182 / 31 + 0.171 / 30) / 3
+# writing worker's) over its snapshots, the mean over the four jobs.
+SNAPSHOT_COST_S = (0.055 / 10 + 0.059 / 11 + 0.05 / 12 + 0.056 / 11) / 4
 # The lower bound it replaced (SOURCES["snapshot_copy"]): the demo's bytes per shard position at this machine's
 # copy bandwidth into shared memory, no checksum and no copy to another host.
 SNAPSHOT_COPY_BANDWIDTH = 4.94e9  # simulate.json snapshot_copy.bandwidth, bytes/s
