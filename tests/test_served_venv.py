@@ -117,7 +117,7 @@ def test_a_registered_model_served_without_recgrid_answers_raw_rows_as_recgrid_e
     assert np.abs(np.array(got["p"]) - want).max() <= 1e-6
 
     t2 = time.perf_counter()
-    for attempt in range(3):  # a free port can be taken by another test's process before the server binds it
+    for _ in range(3):  # a free port can be taken by another test's process before the server binds it
         port = free_port()
         server = subprocess.Popen([str(venv / "bin" / "mlflow"), "models", "serve", "-m", uri, "--env-manager",
                                    "local", "--host", "127.0.0.1", "-p", str(port)], env=env, cwd=tmp_path,
@@ -127,7 +127,8 @@ def test_a_registered_model_served_without_recgrid_answers_raw_rows_as_recgrid_e
             break
         server.wait(timeout=60)
     else:
-        raise AssertionError("the server found no free port in three tries: " + (tmp_path / "serve.log").read_text()[-3000:])
+        log = (tmp_path / "serve.log").read_text()
+        raise AssertionError(f"the server found no free port in three tries: {log[-3000:]}")
     try:
         started = time.perf_counter() - t2
         df = client_frame(data)

@@ -364,9 +364,10 @@ class Snapshotter(_WorkerSide):
     least cost / (step_fraction x the sync interval's seconds), never fewer than 1 nor more than
     `max_syncs`. A snapshot's cost is this worker's time in it on the step's path plus its host's
     holder process's CPU seconds per snapshot (`holder_s`; its idle CPU included, an over-count),
-    counted in full: on a host whose cores all train, the holder's CPU comes out of training. `say(line)`, if given, tells the job's
-    log why a host's holder keeps no slot files, from one worker per host; `pin(step)`, if given,
-    names each snapshot's step a restore point (`JobControl.pin`), from the group's shard rank 0."""
+    counted in full: on a host whose cores all train, the holder's CPU comes out of training.
+    `say(line)`, if given, tells the job's log why a host's holder keeps no slot files, from one
+    worker per host; `pin(step)`, if given, names each snapshot's step a restore point
+    (`JobControl.pin`), from the group's shard rank 0."""
 
     def __init__(self, trainer: "Trainer", coordinator: Any, grid: "Grid", groups: "GridGroups",
                  nodes: Sequence[str], cadence: SnapshotCadence, writes: Any = None, agreed: Any = None,
@@ -548,13 +549,11 @@ class Snapshotter(_WorkerSide):
 
         self._land(wait=True)
         if self._inflight:
-            done = ray.get(self._inflight)
+            cpu = max(ray.get(self._inflight))  # each call answers the holder's CPU seconds so far
             self._inflight = []
-            cpu = max((x for x in done if isinstance(x, float)), default=None)
-            if cpu is not None:  # the holder's CPU since the last settle, per snapshot settled since
-                if self._holder_cpu is not None and self.snapshots > self._holder_cpu[1]:
-                    self.holder_s = max(0.0, cpu - self._holder_cpu[0]) / (self.snapshots - self._holder_cpu[1])
-                self._holder_cpu = (cpu, self.snapshots)
+            if self._holder_cpu is not None and self.snapshots > self._holder_cpu[1]:  # per snapshot since
+                self.holder_s = max(0.0, cpu - self._holder_cpu[0]) / (self.snapshots - self._holder_cpu[1])
+            self._holder_cpu = (cpu, self.snapshots)
 
     def close(self) -> None:
         self._settle()
