@@ -117,9 +117,11 @@ class StorageFallback:
         if self.shard == 0:
             ray.get(self.coordinator.drop_after.remote(plan["step"]))
         corrupt = plan.get("corrupt") or []
-        older = [s for s in plan.get("generations", []) if s < plan["step"]]
+        # the interval: to the nearest other generation the holders list, older or newer (a newer one
+        # being written when the host went may have evicted the older: two generations are kept)
+        others = [abs(plan["step"] - s) for s in plan.get("generations", []) if s != plan["step"]]
         return {"source": "holder", "path": "", "step": trainer.state.step, "shards": shards, "corrupt": corrupt,
-                "snapshot_interval_steps": plan["step"] - max(older) if older else None,
+                "snapshot_interval_steps": min(others) if others else None,
                 "lost_nodes": plan.get("lost_nodes", []), "detail": shards_detail(shards)
                 + (f"; corrupted copies dropped (their checksums changed since they were written): "
                    f"{'; '.join(corrupt)}" if corrupt else "")}
